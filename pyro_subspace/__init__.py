@@ -1,0 +1,23 @@
+"""pyro_subspace: Bayesian deep learning in a small, well-chosen part of weight space, with Pyro.
+
+A network's weights are written ``w = ŵ + P t``; Pyro's own inference (NUTS, HMC, SVI,
+Predictive) runs over the few coordinates ``t`` while the rest stays at a point estimate.
+"""
+
+from . import convert, datasets, likelihoods, metrics, subspaces
+from .flat import FlatNet
+from .nn import SubspaceNet
+from .train import fit_map
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FlatNet",
+    "SubspaceNet",
+    "convert",
+    "datasets",
+    "fit_map",
+    "likelihoods",
+    "metrics",
+    "subspaces",
+]

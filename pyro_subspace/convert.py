@@ -1,0 +1,186 @@
+"""Export posterior draws of any Pyro model to ArviZ.
+
+`to_inference_data` builds the groups ``posterior``, ``log_likelihood`` (pointwise, so that
+``az.loo``/``az.waic`` work), ``posterior_predictive``, ``observed_data`` and ``sample_stats``
+from a finished ``pyro.infer.MCMC`` or from posterior samples plus the model and its data. The
+model is re-run once per chunk of draws, vectorised over draws by an outer ``pyro.plate``, as
+Pyro's ``Predictive(parallel=True)`` does. ArviZ's ``from_dict`` does the conversion; it exists
+in arviz 0.x (keyword groups, returns ``InferenceData``) and 1.x (one dict of groups, returns a
+``xarray.DataTree``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import arviz as az
+import numpy as np
+import pyro
+import torch
+from pyro import poutine
+from pyro.infer import MCMC
+from pyro.poutine.subsample_messenger import _Subsample
+
+
+def to_inference_data(
+    mcmc: MCMC | None = None,
+    *,
+    samples: Mapping[str, torch.Tensor] | None = None,
+    model: Callable[..., Any] | None = None,
+    args: tuple = (),
+    kwargs: Mapping[str, Any] | None = None,
+    group_by_chain: bool = False,
+    draws_per_chunk: int = 200,
+    seed: int | None = None,
+) -> Any:
+    """Convert MCMC output or posterior samples to ArviZ data.
+
+    Args:
+        mcmc: a ``pyro.infer.MCMC`` after ``run``; its model and run arguments are reused
+            unless ``model``/``args``/``kwargs`` are given.
+        samples: instead of ``mcmc``: ``{site: (S, *shape)}``, or ``(C, S, *shape)`` with
+            ``group_by_chain=True``.
+        model, args, kwargs: the model and the arguments it was conditioned with (e.g.
+            ``(x_train, y_train)``); required with ``samples``.
+        draws_per_chunk: draws evaluated per vectorised model run (bounds memory).
+        seed: seeds the posterior predictive draws.
+
+    Returns:
+        ``arviz.InferenceData`` (arviz 0.x) or ``xarray.DataTree`` (arviz 1.x) with groups
+        posterior ``(chain, draw, ...)``, log_likelihood ``(chain, draw, N)`` per observed site
+        (untempered ``log p(y_n | θ)``), posterior_predictive (draws of the observed sites at
+        the same inputs), observed_data, and sample_stats (``lp``: the model's log joint as the
+        sampler saw it, i.e. tempered and plate-scaled; ``diverging`` from MCMC diagnostics).
+    """
+    kwargs = dict(kwargs or {})
+    if mcmc is not None:
+        if samples is not None:
+            raise ValueError("samples: give either mcmc or samples, not both")
+        if not isinstance(mcmc, MCMC):
+            raise TypeError(f"mcmc: expected a pyro.infer.MCMC, got {type(mcmc).__name__}")
+        grouped = mcmc.get_samples(group_by_chain=True)
+        model = model if model is not None else mcmc.kernel.model
+        if not args and not kwargs:
+            args, kwargs = mcmc._args, dict(mcmc._kwargs)
+    elif samples is not None:
+        if model is None:
+            raise ValueError("model: required together with samples")
+        grouped = _check_samples(samples, group_by_chain)
+    else:
+        raise ValueError("mcmc: give an MCMC object or samples=... with model=...")
+    if not isinstance(draws_per_chunk, int) or draws_per_chunk < 1:
+        raise ValueError(f"draws_per_chunk: expected a positive int, got {draws_per_chunk!r}")
+    if model is None:
+        raise ValueError("model: the MCMC kernel has no model; pass model=")
+    n_chains, n_draws = next(iter(grouped.values())).shape[:2]
+    flat = {k: v.reshape(n_chains * n_draws, *v.shape[2:]) for k, v in grouped.items()}
+
+    if seed is not None:
+        pyro.set_rng_seed(seed)
+    prototype = poutine.trace(model).get_trace(*args, **kwargs)
+    observed = [name for name, s in prototype.nodes.items() if _is_random(name, s) and s["is_observed"]]
+    nesting = max([-f.dim for s in prototype.nodes.values() if s["type"] == "sample"
+                   for f in s["cond_indep_stack"] if f.vectorized] + [0])
+    pieces: dict[str, list[torch.Tensor]] = {"lp": []}
+    for start in range(0, n_chains * n_draws, draws_per_chunk):
+        chunk = {k: v[start : start + draws_per_chunk] for k, v in flat.items()}
+        trace = _vectorised_trace(model, chunk, prototype, nesting, args, kwargs)
+        s = next(iter(chunk.values())).shape[0]
+        lp = torch.zeros(s)
+        for name, site in trace.nodes.items():
+            if not _is_random(name, site):
+                continue
+            site_lp = site["fn"].log_prob(site["value"])
+            lp = lp + (site_lp * site["scale"]).reshape(s, -1).sum(-1).detach().cpu()
+            if name in observed:
+                shape = prototype.nodes[name]["fn"].batch_shape
+                pieces.setdefault(f"ll:{name}", []).append(site_lp.reshape(s, *shape).detach().cpu())
+                draw = site["fn"].sample().reshape(s, *prototype.nodes[name]["value"].shape)
+                pieces.setdefault(f"pp:{name}", []).append(draw.detach().cpu())
+        pieces["lp"].append(lp)
+
+    def group(prefix: str) -> dict[str, np.ndarray]:
+        return {
+            key[len(prefix) :]: _by_chain(torch.cat(val), n_chains, n_draws)
+            for key, val in pieces.items() if key.startswith(prefix)
+        }
+
+    groups: dict[str, dict[str, np.ndarray]] = {
+        "posterior": {k: v.detach().cpu().numpy() for k, v in grouped.items()},
+        "log_likelihood": group("ll:"),
+        "posterior_predictive": group("pp:"),
+        "observed_data": {n: prototype.nodes[n]["value"].detach().cpu().numpy() for n in observed},
+        "sample_stats": {"lp": _by_chain(torch.cat(pieces["lp"]), n_chains, n_draws)},
+    }
+    if mcmc is not None:
+        groups["sample_stats"]["diverging"] = _divergences(mcmc, n_chains, n_draws)
+    return _from_dict(groups)
+
+
+def _check_samples(samples: Mapping[str, torch.Tensor], group_by_chain: bool) -> dict[str, torch.Tensor]:
+    if not isinstance(samples, Mapping) or not samples:
+        raise TypeError("samples: expected a non-empty dict {site name: tensor}")
+    lead = 2 if group_by_chain else 1
+    sizes = set()
+    for name, value in samples.items():
+        if not isinstance(value, torch.Tensor) or value.dim() < lead:
+            raise ValueError(f"samples[{name!r}]: expected a tensor with {lead} leading sample dims")
+        if not torch.isfinite(value).all():
+            raise ValueError(f"samples[{name!r}]: contains NaN or inf")
+        sizes.add(tuple(value.shape[:lead]))
+    if len(sizes) != 1:
+        raise ValueError(f"samples: sites disagree on the number of draws: {sorted(sizes)}")
+    if group_by_chain:
+        return dict(samples)
+    return {k: v.unsqueeze(0) for k, v in samples.items()}
+
+
+def _vectorised_trace(model, chunk, prototype, nesting, args, kwargs) -> poutine.Trace:
+    """Trace ``model`` once with the draws in ``chunk`` stacked along a new outer plate."""
+    s = next(iter(chunk.values())).shape[0]
+    data = {}
+    for name, value in chunk.items():
+        site = prototype.nodes.get(name)
+        if site is None:
+            raise ValueError(f"samples: site {name!r} is not a sample site of the model")
+        batch_dims = len(site["fn"].batch_shape)
+        data[name] = value.reshape(s, *([1] * (nesting - batch_dims)), *site["value"].shape)
+
+    def vectorised(*a, **k):
+        with pyro.plate("_draws", s, dim=-nesting - 1):
+            return model(*a, **k)
+
+    conditioned = poutine.condition(vectorised, data=data)
+    with torch.no_grad():
+        return poutine.trace(conditioned).get_trace(*args, **kwargs)
+
+
+def _is_random(name: str, site: dict) -> bool:
+    """A sample site that is not a ``pyro.deterministic`` record, a plate, or our internal plate."""
+    return (
+        site["type"] == "sample"
+        and not name.startswith("_")
+        and not site["infer"].get("_deterministic")
+        and not isinstance(site["fn"], _Subsample)
+    )
+
+
+def _by_chain(value: torch.Tensor, n_chains: int, n_draws: int) -> np.ndarray:
+    return value.reshape(n_chains, n_draws, *value.shape[1:]).numpy()
+
+
+def _divergences(mcmc: MCMC, n_chains: int, n_draws: int) -> np.ndarray:
+    diverging = np.zeros((n_chains, n_draws), dtype=bool)
+    info = mcmc.diagnostics().get("divergences", {})
+    for chain, idx in info.items():
+        c = int(str(chain).split()[-1]) if not isinstance(chain, int) else chain
+        diverging[c, list(idx)] = True
+    return diverging
+
+
+def _from_dict(groups: dict[str, dict[str, np.ndarray]]) -> Any:
+    groups = {name: vals for name, vals in groups.items() if vals}
+    if int(az.__version__.split(".")[0]) >= 1:  # arviz 1.x: one dict of groups, a DataTree
+        return az.from_dict(groups)
+    return az.from_dict(**groups)  # arviz 0.x: groups as keywords, an InferenceData

@@ -1,0 +1,12 @@
+"""Subspaces ``w = ŵ + P t`` of a network's weight space and the builders that make them.
+
+- `Subspace`: the shift ``ŵ`` (D,) and a dense (D, K) or index-selection basis ``P``.
+- `random`: random unit directions (Subspace Inference C.1).
+- `SWACollector` + `pca`: PCA of the SGD trajectory, optionally with Minka's dimension (C.2, D).
+"""
+
+from .base import Subspace
+from .pca import SWACollector, minka_dimension, minka_log_evidence, pca
+from .random import random
+
+__all__ = ["SWACollector", "Subspace", "minka_dimension", "minka_log_evidence", "pca", "random"]

@@ -1,0 +1,194 @@
+"""PCA subspaces of the SGD trajectory (Subspace Inference, appendix C.2, Algorithm 2, appendix D).
+
+`SWACollector` keeps the running mean of the weights (the SWA solution ``ŵ``) and the last ``M``
+deviations from it while the user's own training loop runs SGD at a high constant learning rate.
+`pca` turns them into a `Subspace` whose basis columns are the principal directions scaled by
+their singular values, so that the prior ``t ~ N(0, I_K)`` reproduces the covariance of the
+collected iterates in those directions: the subspace model then induces a low-rank SWAG prior.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+import torch
+from scipy.special import gammaln
+from sklearn.utils.extmath import randomized_svd
+from torch import nn
+
+from ..flat import FlatNet
+from .base import Subspace
+
+
+class SWACollector:
+    """Collects SWA statistics along a training trajectory (paper Algorithm 2).
+
+    Call `collect` once per epoch (or every ``c`` steps) of constant-learning-rate SGD.
+
+    Args:
+        net: the network being trained; its parameters are read, never written.
+        max_snapshots: ``M``, how many of the most recent deviations ``w_i − w̄`` to keep
+            (the paper uses 20). Memory is ``M·D`` numbers.
+
+    Attributes:
+        n_collected: number of snapshots averaged into `mean`.
+    """
+
+    def __init__(self, net: nn.Module, max_snapshots: int = 20) -> None:
+        if isinstance(max_snapshots, bool) or not isinstance(max_snapshots, int) or max_snapshots < 2:
+            raise ValueError(f"max_snapshots: expected an int >= 2, got {max_snapshots!r}")
+        self.flat = FlatNet(net)
+        self.max_snapshots = max_snapshots
+        self.n_collected = 0
+        self._mean: torch.Tensor | None = None
+        self._sq_mean: torch.Tensor | None = None
+        self._deviations: deque[torch.Tensor] = deque(maxlen=max_snapshots)
+
+    def collect(self) -> None:
+        """Add the network's current weights ``w_i``: update the running mean and second moment,
+        and store the deviation ``w_i − w̄`` (dropping the oldest beyond ``M``)."""
+        w = self.flat.vector()
+        if not torch.isfinite(w).all():
+            raise ValueError("collect: the network's weights contain NaN or inf; training diverged")
+        n = self.n_collected
+        if self._mean is None:
+            self._mean, self._sq_mean = w.clone(), w.square()
+        else:
+            self._mean.mul_(n / (n + 1)).add_(w, alpha=1 / (n + 1))
+            self._sq_mean.mul_(n / (n + 1)).add_(w.square(), alpha=1 / (n + 1))
+        self.n_collected = n + 1
+        self._deviations.append(w - self._mean)
+
+    def _require(self, what: str) -> None:
+        if self.n_collected == 0:
+            raise RuntimeError(f"{what}: no snapshots yet; call collect() during training first")
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """The SWA solution ``w̄``, the mean of the collected weights, shape ``(D,)``."""
+        self._require("mean")
+        return self._mean.clone()
+
+    @property
+    def variance(self) -> torch.Tensor:
+        """Diagonal SWAG variance ``E[w²] − w̄²`` (clamped at 0), shape ``(D,)``."""
+        self._require("variance")
+        return (self._sq_mean - self._mean.square()).clamp_min(0.0)
+
+    @property
+    def deviations(self) -> torch.Tensor:
+        """The stored deviations ``w_i − w̄`` as rows, shape ``(M, D)`` with ``M <= max_snapshots``."""
+        self._require("deviations")
+        return torch.stack(list(self._deviations))
+
+    @property
+    def num_snapshots(self) -> int:
+        """``M``, the number of deviations currently stored."""
+        return len(self._deviations)
+
+
+def minka_log_evidence(
+    spectrum: np.ndarray | torch.Tensor, rank: int, n_samples: int, n_features: int | None = None
+) -> float:
+    """Minka's (2001) Laplace approximation to the PCA evidence ``log p(D | k)`` (paper D, eqs 5–6).
+
+    Args:
+        spectrum: covariance eigenvalues in decreasing order, shape ``(L,)``.
+        rank: candidate dimension ``k``, ``1 <= k < min(L, n_features)``.
+        n_samples: ``N``, the number of samples the spectrum was estimated from.
+        n_features: ambient dimension ``d`` (default ``L``); eigenvalues beyond ``L`` are zero.
+
+    Returns:
+        The log evidence up to a constant independent of ``k``.
+    """
+    lam = np.asarray(spectrum, dtype=np.float64)
+    d = lam.shape[0] if n_features is None else int(n_features)
+    k = int(rank)
+    if not 1 <= k < min(lam.shape[0], d):
+        raise ValueError(f"rank: expected 1 <= rank < {min(lam.shape[0], d)}, got {rank}")
+    if lam[k - 1] <= 0:
+        return -math.inf
+    n = float(n_samples)
+    eps = 1e-15
+    v = max(eps, lam[k:].sum() / (d - k))  # eq. (4)
+    i = np.arange(1, k + 1)
+    log_pu = -k * math.log(2.0) + np.sum(gammaln((d - i + 1) / 2.0) - math.log(math.pi) * (d - i + 1) / 2.0)
+    log_pl = -n / 2.0 * np.sum(np.log(lam[:k]))
+    log_pv = -n * (d - k) / 2.0 * math.log(v)
+    m = d * k - k * (k + 1) / 2.0
+    log_pp = math.log(2.0 * math.pi) * (m + k) / 2.0
+    lam_hat = lam.copy()
+    lam_hat[k:] = v
+    # log|A_z| = sum_{i<=k} sum_{j>i} log[(1/λ̂_j − 1/λ̂_i)(λ_i − λ_j) N]
+    li, lj = lam[:k, None], lam[None, :]
+    hi, hj = lam_hat[:k, None], lam_hat[None, :]
+    upper = np.arange(lam.shape[0])[None, :] > np.arange(k)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.log((li - lj) * (1.0 / hj - 1.0 / hi)) + math.log(n)
+    log_az = np.sum(np.where(upper, terms, 0.0))
+    n_zero = d - lam.shape[0]  # eigenvalues beyond the stored spectrum are exactly zero
+    if n_zero > 0:
+        log_az += n_zero * np.sum(np.log(lam[:k] * (1.0 / v - 1.0 / lam[:k])) + math.log(n))
+    return float(log_pu + log_pl + log_pv + log_pp - log_az / 2.0 - k * math.log(n) / 2.0)
+
+
+def minka_dimension(
+    spectrum: np.ndarray | torch.Tensor, n_samples: int, n_features: int | None = None
+) -> int:
+    """The ``k`` maximising `minka_log_evidence` over ``1 <= k < min(L, d)`` (paper appendix D)."""
+    lam = np.asarray(spectrum, dtype=np.float64)
+    d = lam.shape[0] if n_features is None else int(n_features)
+    top = min(lam.shape[0], d)
+    if top < 2:
+        raise ValueError(f"spectrum: need at least 2 eigenvalues to choose a dimension, got {top}")
+    scores = [minka_log_evidence(lam, k, n_samples, d) for k in range(1, top)]
+    return int(np.argmax(scores)) + 1
+
+
+def pca(collector: SWACollector, rank: int | str, seed: int | None = 0) -> Subspace:
+    """The PCA subspace of the SGD trajectory (paper C.2, Algorithm 2).
+
+    The deviations ``D̂`` (``M × D``) are divided by ``sqrt(M − 1)``; scikit-learn's
+    ``randomized_svd`` (Halko et al., 2011) gives ``D̂/sqrt(M−1) ≈ U S Vᵀ`` and the basis is
+    ``P = V S`` (``D × K``), so that ``t ~ N(0, I_K)`` gives ``P t`` the covariance ``V S² Vᵀ`` of the
+    collected deviations in the top-``K`` directions (a low-rank SWAG). The shift is the SWA mean.
+
+    Args:
+        collector: a `SWACollector` with at least 2 snapshots.
+        rank: ``K <= M``, or ``"mle"`` to choose ``K`` by Minka's criterion (paper D) from the
+            exact spectrum of ``D̂ᵀD̂/(M−1)``. With ``D ≫ M`` only ``L <= M`` eigenvalues are
+            non-zero; the ambient dimension is taken to be ``L`` (the span of the snapshots),
+            because with ``d = D`` the noise estimate ``v̂`` collapses and the criterion cannot
+            reduce the dimension (the failure the paper reports in appendix D).
+        seed: random state of ``randomized_svd``.
+
+    Returns:
+        A dense `Subspace` with shift ``(D,)`` and basis ``(D, K)``.
+    """
+    if not isinstance(collector, SWACollector):
+        raise TypeError(f"collector: expected a SWACollector, got {type(collector).__name__}")
+    m = collector.num_snapshots
+    if m < 2:
+        raise ValueError(f"collector: PCA needs at least 2 snapshots, {m} collected")
+    dev = collector.deviations / math.sqrt(m - 1)  # shape: (M, D)
+    if rank == "mle":
+        _, s, vt = torch.linalg.svd(dev.double(), full_matrices=False)
+        spectrum = s.square().numpy(force=True)
+        nonzero = int((spectrum > spectrum[0] * 1e-10).sum()) if spectrum[0] > 0 else 0
+        if nonzero < 2:
+            raise ValueError(f"collector: the trajectory spans {nonzero} direction(s); need >= 2 for rank='mle'")
+        k = minka_dimension(spectrum[:nonzero], n_samples=m, n_features=nonzero)
+        basis = (vt[:k].T * s[:k]).to(dev.dtype)
+    else:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank: expected a positive int or 'mle', got {rank!r}")
+        if rank > m:
+            raise ValueError(
+                f"rank: {rank} is larger than the number of collected snapshots M={m}; "
+                f"collect more snapshots or use rank <= {m}"
+            )
+        _, s, vt = randomized_svd(dev.numpy(force=True).astype(np.float64), rank, random_state=seed)
+        basis = torch.as_tensor(vt.T * s, dtype=dev.dtype, device=dev.device)
+    return Subspace(collector.mean, basis)

@@ -1,0 +1,38 @@
+"""Random subspaces (Subspace Inference, appendix C.1)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..flat import FlatNet
+from .base import Subspace
+
+
+def random(net: nn.Module, rank: int, seed: int | None = None) -> Subspace:
+    """A ``rank``-dimensional random subspace through the network's current weights.
+
+    Paper C.1: draw ``v_1..v_K ~ N(0, I_D)``, rescale each to unit norm, and shift at the current
+    weights (typically the SWA solution). With the prior ``t ~ N(0, σ² I_K)`` this induces a
+    linear combination of chi-square variables as the prior in weight space.
+
+    Args:
+        net: the trained network; its weights ``ŵ`` (shape ``(D,)``) become the shift.
+        rank: ``K``, the number of directions, ``1 <= K <= D``.
+        seed: seed of the ``torch.Generator`` drawing the directions (``None``: nondeterministic).
+
+    Returns:
+        A dense `Subspace` with basis ``(D, K)`` of unit-norm columns.
+    """
+    flat = FlatNet(net)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= flat.num_weights:
+        raise ValueError(f"rank: expected an int in [1, {flat.num_weights}], got {rank!r}")
+    shift = flat.vector()
+    gen = torch.Generator(device="cpu")
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    basis = torch.randn(flat.num_weights, rank, generator=gen, dtype=shift.dtype)
+    basis = basis / basis.norm(dim=0, keepdim=True)
+    return Subspace(shift, basis.to(shift.device))

@@ -1,0 +1,131 @@
+"""`fit_map`: the plain training loop (MAP, then an optional constant-learning-rate SWA phase)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .likelihoods import Likelihood
+from .subspaces import SWACollector
+
+
+def fit_map(
+    net: nn.Module,
+    likelihood: Likelihood,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    epochs: int = 100,
+    lr: float = 1e-2,
+    weight_decay: float = 0.0,
+    batch_size: int | None = None,
+    optimizer: str = "adam",
+    momentum: float = 0.9,
+    collector: SWACollector | None = None,
+    swa_epochs: int = 0,
+    swa_lr: float | None = None,
+    seed: int | None = None,
+    progress: bool = True,
+) -> list[float]:
+    """Train ``net`` in place by minimising ``−mean_n log p(y_n | f(x_n; w))`` plus weight decay.
+
+    Weight decay ``λ`` on the mean loss is the Gaussian prior ``N(0, (Nλ)⁻¹ I)`` on the weights, so
+    the result is a MAP estimate. Learnable likelihood parameters (a `Gaussian` with
+    ``sigma=None``) are trained alongside, without decay. With a ``collector``, ``swa_epochs`` of
+    SGD at the constant rate ``swa_lr`` follow, calling ``collector.collect()`` after each epoch
+    (Subspace Inference C.2 / Algorithm 2): ``collector.mean`` is then the SWA solution, while the
+    network keeps the last iterate.
+
+    Args:
+        net: the network (outputs ``(N, O)``); trained in place, its train/eval mode restored.
+        likelihood: the `Likelihood` whose `log_prob` is the loss.
+        x: inputs ``(N, ...)``; y: targets ``(N,)`` (``(N, 1)`` accepted).
+        epochs: epochs of the first (MAP) phase with ``optimizer`` ("adam" or "sgd").
+        lr, weight_decay, momentum: optimiser settings (momentum for SGD only).
+        batch_size: minibatch size (``None``: full batch).
+        collector: a `SWACollector` built on this ``net``; required when ``swa_epochs > 0``.
+        swa_epochs, swa_lr: the SWA phase (``swa_lr`` defaults to ``lr``).
+        seed: seeds the minibatch shuffling.
+        progress: show a ``tqdm`` progress bar.
+
+    Returns:
+        The mean training loss of each epoch, MAP phase then SWA phase.
+    """
+    if not isinstance(net, nn.Module):
+        raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
+    if not isinstance(likelihood, Likelihood):
+        raise TypeError(f"likelihood: expected a pyro_subspace Likelihood, got {type(likelihood).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] < 1:
+        raise ValueError(f"x: expected a tensor of shape (N, ...) with N >= 1, got {getattr(x, 'shape', x)!r}")
+    if x.is_floating_point() and not torch.isfinite(x).all():
+        raise ValueError("x: contains NaN or inf")
+    n = x.shape[0]
+    y = likelihood.prepare_target(y, n)
+    for name, value, low in (("epochs", epochs, 0), ("swa_epochs", swa_epochs, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    for name, value in (("lr", lr), ("swa_lr", lr if swa_lr is None else swa_lr)):
+        if not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name}: expected a positive number, got {value!r}")
+    if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+        raise ValueError(f"weight_decay: expected a number >= 0, got {weight_decay!r}")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size: expected a positive int or None, got {batch_size!r}")
+    if optimizer not in ("adam", "sgd"):
+        raise ValueError(f"optimizer: expected 'adam' or 'sgd', got {optimizer!r}")
+    if swa_epochs > 0:
+        if not isinstance(collector, SWACollector):
+            raise ValueError("collector: swa_epochs > 0 needs a SWACollector built on this net")
+        if collector.flat.net is not net:
+            raise ValueError("collector: was built on a different network than net")
+
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed) if seed is not None else gen.seed()
+    bs = n if batch_size is None else min(batch_size, n)
+    groups = [{"params": list(net.parameters()), "weight_decay": float(weight_decay)}]
+    extra = [p for p in likelihood.parameters() if p.requires_grad]
+    if extra:
+        groups.append({"params": extra, "weight_decay": 0.0})
+
+    def make(kind: str, rate: float) -> torch.optim.Optimizer:
+        if kind == "adam":
+            return torch.optim.Adam(groups, lr=rate)
+        return torch.optim.SGD(groups, lr=rate, momentum=momentum)
+
+    phases = [(make(optimizer, lr), epochs, False)]
+    if swa_epochs:
+        phases.append((make("sgd", lr if swa_lr is None else swa_lr), swa_epochs, True))
+    history: list[float] = []
+    modes = [(m, m.training) for m in net.modules()]
+    net.train()
+    bar = tqdm(total=epochs + swa_epochs, desc="fit_map", disable=not progress, leave=False)
+    try:
+        for opt, n_epochs, swa in phases:
+            for _ in range(n_epochs):
+                order = torch.randperm(n, generator=gen).to(x.device)
+                total = 0.0
+                for start in range(0, n, bs):
+                    idx = order[start : start + bs]
+                    opt.zero_grad()
+                    out = net(x[idx])
+                    out = out.unsqueeze(-1) if out.dim() == 1 else out
+                    loss = -likelihood.log_prob(out, y[idx]).mean()
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(
+                            f"fit_map: the loss became {loss.item()} at epoch {len(history) + 1}; "
+                            "lower lr or check the data"
+                        )
+                    loss.backward()
+                    opt.step()
+                    total += loss.item() * idx.numel()
+                history.append(total / n)
+                if swa:
+                    collector.collect()
+                bar.update()
+                bar.set_postfix(loss=f"{history[-1]:.4f}", phase="swa" if swa else "map")
+    finally:
+        bar.close()
+        for m, training in modes:
+            m.training = training
+    return history
