@@ -79,7 +79,8 @@ class Likelihood(PyroModule):
         Returns:
             Shape ``(..., N)``: untempered, unscaled.
         """
-        return self.distribution(outputs).log_prob(self.validate(outputs, y))
+        y = self.validate(outputs, y)
+        return self.distribution(outputs).log_prob(y)
 
     def validate(self, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Check ``outputs`` ``(..., N, O)`` and targets together; return the prepared targets."""
@@ -148,13 +149,19 @@ class Gaussian(Likelihood):
                 raise ValueError(f"sigma: expected a positive float or (O,) tensor, got {sigma!r}")
             self.register_buffer("sigma", s)
 
+    def validate(self, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.check_outputs(outputs)
+        n, o = outputs.shape[-2], outputs.shape[-1]
+        if self.heteroscedastic or o == 1:
+            return self.prepare_target(y, n)
+        if not isinstance(y, torch.Tensor) or tuple(y.shape) != (n, o):
+            got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+            raise ValueError(f"y: expected shape ({n}, {o}) for a net with {o} outputs, got {got}")
+        if not y.is_floating_point() or not torch.isfinite(y).all():
+            raise ValueError("y: expected finite floating-point targets (NaN, inf or integers found)")
+        return y
+
     def prepare_target(self, y: torch.Tensor, n: int) -> torch.Tensor:
-        if isinstance(y, torch.Tensor) and y.dim() == 2 and y.shape[1] > 1 and not self.heteroscedastic:
-            if y.shape[0] != n:
-                raise ValueError(f"y: expected {n} targets (first dimension), got shape {tuple(y.shape)}")
-            if not torch.isfinite(y).all():
-                raise ValueError("y: contains NaN or inf")
-            return y
         y = super().prepare_target(y, n)
         if not y.is_floating_point():
             raise TypeError(f"y: Gaussian regression needs floating-point targets, got {y.dtype}")

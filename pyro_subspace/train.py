@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .flat import eval_mode
 from .likelihoods import Likelihood
 from .subspaces import SWACollector
 
@@ -61,7 +62,10 @@ def fit_map(
     if x.is_floating_point() and not torch.isfinite(x).all():
         raise ValueError("x: contains NaN or inf")
     n = x.shape[0]
-    y = likelihood.prepare_target(y, n)
+    with torch.no_grad(), eval_mode(net):
+        probe = net(x[:1])  # only the output width is needed to check the targets
+    probe = probe.unsqueeze(-1) if probe.dim() == 1 else probe
+    y = likelihood.validate(probe.new_zeros(n, *probe.shape[1:]), y)
     for name, value, low in (("epochs", epochs, 0), ("swa_epochs", swa_epochs, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")

@@ -1,0 +1,26 @@
+"""Shared test set-up: fixed seeds, a clean param store and Pyro's validation for every test."""
+
+import pyro
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seeded_and_clean():
+    pyro.set_rng_seed(0)
+    pyro.clear_param_store()
+    pyro.enable_validation(True)
+    yield
+    pyro.clear_param_store()
+
+
+def conjugate_posterior(x, y, sigma, prior_scale, temperature=1.0):
+    """Closed-form posterior of ``t`` for ``y ~ N(x t, σ²)``, ``t ~ N(0, s² I)``, likelihood^(1/T).
+
+    Returns the mean ``(K,)`` and covariance ``(K, K)``, computed with dense linear algebra.
+    """
+    k = x.shape[1]
+    precision = x.T @ x / (temperature * sigma**2) + torch.eye(k, dtype=x.dtype) / prior_scale**2
+    cov = torch.linalg.inv(precision)
+    mean = cov @ (x.T @ y) / (temperature * sigma**2)
+    return mean, cov

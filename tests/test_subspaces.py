@@ -1,0 +1,179 @@
+import numpy as np
+import pytest
+import torch
+from sklearn.decomposition import PCA
+from torch import nn
+
+from pyro_subspace import subspaces
+from pyro_subspace.subspaces import Subspace, SWACollector
+
+
+def small_net():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2))
+
+
+def test_dense_and_index_weights_match_dense_linear_algebra():
+    d, k = 12, 4
+    shift = torch.randn(d, dtype=torch.float64)
+    basis = torch.randn(d, k, dtype=torch.float64)
+    t = torch.randn(5, 3, k, dtype=torch.float64)
+    dense = Subspace(shift, basis)
+    assert dense.rank == k and dense.dim == d and not dense.is_index
+    assert torch.allclose(dense.weights(t), shift + torch.einsum("dk,...k->...d", basis, t))
+    idx = torch.tensor([7, 0, 3, 11])
+    sub = Subspace(shift, idx)
+    eye = torch.eye(d, dtype=torch.float64)[:, idx]  # the (D, K) unit columns, built independently
+    assert sub.is_index and sub.rank == 4
+    assert torch.allclose(sub.weights(t), shift + torch.einsum("dk,...k->...d", eye, t))
+    assert torch.equal(sub.dense_basis(), eye)
+    v = torch.randn(2, d, dtype=torch.float64)
+    assert torch.allclose(sub.transpose_apply(v), v @ eye)
+    assert torch.allclose(dense.transpose_apply(v), v @ basis)
+
+
+def test_projection_recovers_coordinates_and_is_orthogonal():
+    d, k = 30, 3
+    sub = Subspace(torch.randn(d, dtype=torch.float64), torch.randn(d, k, dtype=torch.float64))
+    t = torch.randn(6, k, dtype=torch.float64)
+    assert torch.allclose(sub.project(sub.weights(t)), t, atol=1e-10)
+    w = torch.randn(d, dtype=torch.float64)
+    resid = w - sub.weights(sub.project(w))
+    assert torch.allclose(sub.basis.T @ resid, torch.zeros(k, dtype=torch.float64), atol=1e-10)
+
+
+def test_weights_are_differentiable_for_both_bases():
+    for basis in (torch.randn(8, 2), torch.tensor([1, 5])):
+        sub = Subspace(torch.randn(8), basis)
+        t = torch.randn(2, requires_grad=True)
+        (sub.weights(t) ** 2).sum().backward()
+        expected = 2 * sub.dense_basis().T @ sub.weights(t.detach())
+        assert torch.allclose(t.grad, expected, atol=1e-5)
+
+
+def test_save_load_and_device_dtype(tmp_path):
+    for basis in (torch.randn(9, 3), torch.tensor([0, 4, 8])):
+        sub = Subspace(torch.randn(9), basis)
+        sub.save(tmp_path / "s.pt")
+        back = Subspace.load(tmp_path / "s.pt")
+        assert torch.equal(back.shift, sub.shift) and torch.equal(back.basis, sub.basis)
+        torch.save(sub, tmp_path / "whole.pt")
+        whole = torch.load(tmp_path / "whole.pt", weights_only=False)
+        assert torch.equal(whole.weights(torch.ones(3)), sub.weights(torch.ones(3)))
+        moved = sub.to(torch.float64).to("cpu")
+        assert moved.shift.dtype == torch.float64
+        assert moved.basis.dtype == (torch.int64 if sub.is_index else torch.float64)
+
+
+@pytest.mark.parametrize(
+    "shift, basis, exc, match",
+    [
+        (torch.zeros(5, 2), torch.zeros(5, 1), ValueError, "shift: expected shape"),
+        (torch.zeros(5), torch.zeros(4, 2), ValueError, r"basis: expected a dense basis of shape \(D, K\) = \(5"),
+        (torch.zeros(5), torch.tensor([0, 5]), ValueError, r"basis: indices must lie in \[0, 5\)"),
+        (torch.zeros(5), torch.tensor([1, 1]), ValueError, "basis: indices must be distinct"),
+        (torch.tensor([0.0, float("nan")]), torch.zeros(2, 1), ValueError, "shift: contains NaN"),
+        (torch.zeros(3), [[1.0]], TypeError, "basis: expected a tensor"),
+    ],
+)
+def test_subspace_rejects_bad_input(shift, basis, exc, match):
+    with pytest.raises(exc, match=match):
+        Subspace(shift, basis)
+
+
+def test_weights_rejects_wrong_rank():
+    with pytest.raises(ValueError, match=r"t: expected shape \(\.\.\., 2\)"):
+        Subspace(torch.zeros(4), torch.zeros(4, 2)).weights(torch.zeros(3))
+
+
+def test_random_subspace_is_seeded_unit_norm_and_shifted_at_the_weights():
+    net = small_net()
+    a = subspaces.random(net, 5, seed=3)
+    b = subspaces.random(net, 5, seed=3)
+    c = subspaces.random(net, 5, seed=4)
+    assert torch.equal(a.basis, b.basis) and not torch.equal(a.basis, c.basis)
+    assert torch.allclose(a.basis.norm(dim=0), torch.ones(5), atol=1e-6)
+    assert torch.equal(a.shift, nn.utils.parameters_to_vector(net.parameters()).detach())
+    with pytest.raises(ValueError, match="rank"):
+        subspaces.random(net, 0)
+
+
+def run_trajectory(net, collector, directions, steps, noise=0.0, seed=0):
+    """Move the net's weights along w0 + directions @ z_i and collect each snapshot."""
+    gen = torch.Generator().manual_seed(seed)
+    w0 = nn.utils.parameters_to_vector(net.parameters()).detach().clone()
+    snaps = []
+    for _ in range(steps):
+        z = torch.randn(directions.shape[1], generator=gen, dtype=torch.float64)
+        w = w0 + (directions @ z).float() + noise * torch.randn(w0.shape, generator=gen)
+        nn.utils.vector_to_parameters(w, net.parameters())
+        collector.collect()
+        snaps.append(w)
+    return torch.stack(snaps)
+
+
+def test_collector_mean_variance_and_last_deviations_match_numpy():
+    net = small_net()
+    col = SWACollector(net, max_snapshots=4)
+    d = col.flat.num_weights
+    snaps = run_trajectory(net, col, torch.randn(d, 3, dtype=torch.float64), steps=7).double().numpy()
+    assert col.n_collected == 7 and col.num_snapshots == 4
+    np.testing.assert_allclose(col.mean.numpy(), snaps.mean(0), atol=1e-5)
+    np.testing.assert_allclose(col.variance.numpy(), snaps.var(0), atol=1e-4)
+    # Algorithm 2 stores w_i − w̄_i with the running mean at step i.
+    running = np.cumsum(snaps, 0) / np.arange(1, 8)[:, None]
+    np.testing.assert_allclose(col.deviations.numpy(), (snaps - running)[-4:], atol=1e-5)
+
+
+def test_pca_recovers_planted_directions_and_their_covariance():
+    net = small_net()
+    col = SWACollector(net, max_snapshots=20)
+    d = col.flat.num_weights
+    q, _ = torch.linalg.qr(torch.randn(d, 3, dtype=torch.float64))
+    planted = q * torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64)
+    run_trajectory(net, col, planted, steps=40, noise=1e-4)
+    sub = subspaces.pca(col, rank=3, seed=0)
+    assert torch.allclose(sub.shift, col.mean)
+    # Span: projecting the planted directions onto the PCA basis leaves ~nothing behind.
+    basis, _ = torch.linalg.qr(sub.basis.double())
+    resid = q - basis @ (basis.T @ q)
+    assert resid.norm() < 1e-3
+    # Scale: P Pᵀ equals the covariance of the stored deviations (dense eigh, independent).
+    dev = col.deviations.double()
+    cov = dev.T @ dev / (dev.shape[0] - 1)
+    evals, evecs = torch.linalg.eigh(cov)
+    top = evecs[:, -3:] * evals[-3:]
+    ppt = sub.basis.double() @ sub.basis.double().T
+    assert torch.allclose(ppt, top @ evecs[:, -3:].T, atol=1e-4 * cov.abs().max())
+
+
+def test_pca_rank_larger_than_snapshots_is_an_error():
+    net = small_net()
+    col = SWACollector(net, max_snapshots=5)
+    run_trajectory(net, col, torch.randn(col.flat.num_weights, 2, dtype=torch.float64), steps=3)
+    with pytest.raises(ValueError, match="rank: 4 is larger than the number of collected snapshots M=3"):
+        subspaces.pca(col, rank=4)
+    with pytest.raises(RuntimeError, match="call collect"):
+        SWACollector(net).mean
+    with pytest.raises(ValueError, match="max_snapshots"):
+        SWACollector(net, max_snapshots=1)
+
+
+def test_minka_matches_scikit_learn_on_data_of_known_dimension():
+    rng = np.random.default_rng(0)
+    n, d, k = 500, 15, 4
+    signal = rng.normal(size=(n, k)) @ (rng.normal(size=(k, d)) * 3.0)
+    data = signal + 0.5 * rng.normal(size=(n, d))
+    ref = PCA(n_components="mle", svd_solver="full").fit(data)
+    spectrum = PCA(svd_solver="full").fit(data).explained_variance_  # all d eigenvalues
+    ours = subspaces.minka_dimension(spectrum, n_samples=n)
+    assert ours == ref.n_components_ == k
+
+
+def test_pca_mle_chooses_the_planted_dimension_of_a_trajectory():
+    net = small_net()
+    col = SWACollector(net, max_snapshots=30)
+    d = col.flat.num_weights
+    q, _ = torch.linalg.qr(torch.randn(d, 3, dtype=torch.float64))
+    run_trajectory(net, col, q * torch.tensor([3.0, 2.0, 1.5], dtype=torch.float64), 60, noise=0.05)
+    assert subspaces.pca(col, rank="mle").rank == 3
