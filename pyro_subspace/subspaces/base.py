@@ -100,10 +100,15 @@ class Subspace(nn.Module):
         return t @ self.basis.T
 
     def weights(self, t: torch.Tensor) -> torch.Tensor:
-        """``ŵ + P t``: map coordinates ``(..., K)`` to flat weights ``(..., D)`` (eq. 1)."""
+        """``ŵ + P t``: map coordinates ``(..., K)`` to flat weights ``(..., D)`` (eq. 1).
+
+        ``t`` is cast (differentiably) to the subspace's dtype, e.g. float32 draws of a flow
+        guide for a float64 network.
+        """
         self._check_t(t)
+        t = t.to(self.shift.dtype)
         if self.is_index:
-            w = self.shift.to(t.dtype).expand(*t.shape[:-1], self.dim)
+            w = self.shift.expand(*t.shape[:-1], self.dim)
             return w.index_add(-1, self.basis, t)
         return torch.addmm(self.shift, t.reshape(-1, self.rank), self.basis.T).reshape(
             *t.shape[:-1], self.dim
