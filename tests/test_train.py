@@ -1,0 +1,78 @@
+import pytest
+import torch
+from torch import nn
+
+from pyro_subspace import fit_map, likelihoods, subspaces
+
+
+def ridge_problem(n=60, d=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen)
+    y = x @ torch.linspace(-1, 1, d) + 0.3 * torch.randn(n, generator=gen)
+    return x, y
+
+
+def test_full_batch_map_is_the_ridge_solution():
+    x, y = ridge_problem()
+    sigma, wd = 0.5, 0.05
+    net = nn.Linear(4, 1, bias=False)
+    fit_map(net, likelihoods.Gaussian(sigma), x, y, epochs=3000, lr=0.01, weight_decay=wd, progress=False)
+    # minimise (1/N) Σ (y − x w)² / (2σ²) + (λ/2)‖w‖²  ⇒  (XᵀX/(Nσ²) + λI) w = Xᵀy/(Nσ²)
+    n = x.shape[0]
+    a = x.T.double() @ x.double() / (n * sigma**2) + wd * torch.eye(4, dtype=torch.float64)
+    w = torch.linalg.solve(a, x.T.double() @ y.double() / (n * sigma**2))
+    assert torch.allclose(net.weight.detach().double().squeeze(0), w, atol=1e-3)
+
+
+def test_learned_sigma_reaches_the_residual_mle_and_swa_collects_each_epoch():
+    x, y = ridge_problem(n=200)
+    net = nn.Linear(4, 1)
+    lik = likelihoods.Gaussian(sigma_init=2.0)
+    col = subspaces.SWACollector(net, max_snapshots=5)
+    hist = fit_map(net, lik, x, y, epochs=1500, lr=0.02, batch_size=None, collector=col, swa_epochs=7,
+                   swa_lr=1e-3, progress=False, seed=0)
+    assert len(hist) == 1507 and col.n_collected == 7 and col.num_snapshots == 5
+    resid = y - net(x).squeeze(-1).detach()
+    assert abs(lik.sigma.item() - resid.pow(2).mean().sqrt().item()) < 5e-3
+    assert hist[-1] < hist[0]
+
+
+def test_minibatches_and_modes_are_restored():
+    x, y = ridge_problem(n=50)
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    net.eval()
+    labels = torch.randint(0, 3, (50,))
+    hist = fit_map(net, likelihoods.Categorical(), x, labels, epochs=30, batch_size=16, seed=1, progress=False)
+    assert not net.training and hist[-1] < hist[0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"epochs": -1}, ValueError, "epochs"),
+        ({"lr": 0}, ValueError, "lr"),
+        ({"batch_size": 0}, ValueError, "batch_size"),
+        ({"optimizer": "rmsprop"}, ValueError, "optimizer"),
+        ({"swa_epochs": 3}, ValueError, "collector: swa_epochs > 0 needs"),
+        ({"weight_decay": -1.0}, ValueError, "weight_decay"),
+    ],
+)
+def test_fit_map_rejects_bad_settings(kwargs, exc, match):
+    x, y = ridge_problem()
+    with pytest.raises(exc, match=match):
+        fit_map(nn.Linear(4, 1), likelihoods.Gaussian(0.1), x, y, progress=False, **kwargs)
+
+
+def test_fit_map_rejects_bad_data_and_divergence():
+    x, y = ridge_problem()
+    net = nn.Linear(4, 1)
+    with pytest.raises(ValueError, match="x: contains NaN"):
+        fit_map(net, likelihoods.Gaussian(0.1), x * float("nan"), y, progress=False)
+    with pytest.raises(ValueError, match="y: expected 60 targets"):
+        fit_map(net, likelihoods.Gaussian(0.1), x, y[:10], progress=False)
+    with pytest.raises(FloatingPointError, match="loss became"):
+        fit_map(net, likelihoods.Gaussian(0.1), x * 1e30, y, lr=1e10, epochs=5, progress=False)
+    other = nn.Linear(4, 1)
+    with pytest.raises(ValueError, match="different network"):
+        fit_map(net, likelihoods.Gaussian(0.1), x, y, collector=subspaces.SWACollector(other),
+                swa_epochs=2, progress=False)
