@@ -34,7 +34,8 @@ def fit_map(
     Weight decay ``λ`` on the mean loss is the Gaussian prior ``N(0, (Nλ)⁻¹ I)`` on the weights, so
     the result is a MAP estimate. Learnable likelihood parameters (a `Gaussian` with
     ``sigma=None``) are trained alongside, without decay. With a ``collector``, ``swa_epochs`` of
-    SGD at the constant rate ``swa_lr`` follow, calling ``collector.collect()`` after each epoch
+    SGD at the constant rate ``swa_lr`` follow (weights only: likelihood parameters keep their MAP
+    values), calling ``collector.collect()`` after each epoch
     (Subspace Inference C.2 / Algorithm 2): ``collector.mean`` is then the SWA solution, while the
     network keeps the last iterate.
 
@@ -92,14 +93,15 @@ def fit_map(
     if extra:
         groups.append({"params": extra, "weight_decay": 0.0})
 
-    def make(kind: str, rate: float) -> torch.optim.Optimizer:
+    def make(kind: str, rate: float, params: list[dict]) -> torch.optim.Optimizer:
+        params = [dict(g) for g in params]  # optimisers write their defaults into the groups
         if kind == "adam":
-            return torch.optim.Adam(groups, lr=rate)
-        return torch.optim.SGD(groups, lr=rate, momentum=momentum)
+            return torch.optim.Adam(params, lr=rate)
+        return torch.optim.SGD(params, lr=rate, momentum=momentum)
 
-    phases = [(make(optimizer, lr), epochs, False)]
-    if swa_epochs:
-        phases.append((make("sgd", lr if swa_lr is None else swa_lr), swa_epochs, True))
+    phases = [(make(optimizer, lr, groups), epochs, False)]
+    if swa_epochs:  # the SWA phase moves the weights only; likelihood parameters stay at the MAP
+        phases.append((make("sgd", lr if swa_lr is None else swa_lr, groups[:1]), swa_epochs, True))
     history: list[float] = []
     modes = [(m, m.training) for m in net.modules()]
     net.train()
@@ -114,6 +116,11 @@ def fit_map(
                     opt.zero_grad()
                     out = net(x[idx])
                     out = out.unsqueeze(-1) if out.dim() == 1 else out
+                    if not torch.isfinite(out).all():
+                        raise FloatingPointError(
+                            f"fit_map: the network outputs became non-finite at epoch "
+                            f"{len(history) + 1} ({'swa' if swa else 'map'} phase); lower the learning rate"
+                        )
                     loss = -likelihood.log_prob(out, y[idx]).mean()
                     if not torch.isfinite(loss):
                         raise FloatingPointError(
