@@ -109,7 +109,8 @@ def posterior_draws(model: SubspaceNet, args: argparse.Namespace, x, y) -> torch
               Trace_ELBO(num_particles=8, vectorize_particles=True, max_plate_nesting=1))
     for _ in range(steps):
         svi.step(x, y)
-    return Predictive(model, guide=guide, num_samples=args.samples, return_sites=["t"])(x, y)["t"]
+    draws = Predictive(model, guide=guide, num_samples=args.samples, return_sites=["t"])(x, y)["t"]
+    return draws.reshape(-1, model.rank)
 
 
 def regression_scores(mean: torch.Tensor, var: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
@@ -131,6 +132,9 @@ def run(args: argparse.Namespace) -> dict:
     pyro.clear_param_store()
     rank = _parse_rank(args.rank, args.subspace)
     temperature = _parse_temperature(args.temperature)
+    if args.subspace == "pca" and rank != "mle" and rank > min(args.swa_epochs, 20):
+        raise SystemExit(f"--rank {rank}: a PCA subspace needs at least as many SWA snapshots; "
+                         f"--swa-epochs {args.swa_epochs} keeps {min(args.swa_epochs, 20)}")
     data = _load(args)
     if data.task != "regression":
         raise SystemExit(f"--dataset {args.dataset}: the default run is for regression data")

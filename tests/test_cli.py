@@ -1,0 +1,45 @@
+import json
+
+import pytest
+
+from pyro_subspace import cli
+
+TINY = ["--epochs", "30", "--swa-epochs", "12", "--samples", "12", "--warmup", "8", "--no-progress"]
+
+
+def test_default_run_writes_table_json_and_png(tmp_path, capsys):
+    results = cli.main(TINY + ["--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert "MAP (SWA)" in printed and "PCA+NUTS" in printed
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["rows"] == results["rows"]
+    # temperature "auto" is N/K: 400 toy points, K = 10
+    assert results["rank"] == 10 and results["temperature"] == pytest.approx(40.0)
+    for row in results["rows"].values():
+        assert 0.0 <= row["coverage95"] <= 1.0 and row["rmse"] > 0
+    png = (tmp_path / "toy_pca_nuts.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_random_subspace_with_vi_on_diabetes(tmp_path):
+    results = cli.main(TINY + ["--dataset", "diabetes", "--subspace", "random", "--rank", "3",
+                               "--inference", "vi", "--temperature", "2", "--out", str(tmp_path)])
+    assert set(results["rows"]) == {"MAP (SWA)", "RANDOM+VI"}
+    assert results["temperature"] == 2.0
+    assert (tmp_path / "diabetes_random_vi.png").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--subspace", "random", "--rank", "mle"], "--rank mle needs --subspace pca"),
+        (["--rank", "ten"], "--rank: expected an int"),
+        (["--temperature", "hot"], "--temperature: expected a number"),
+        (["--dataset", "csv"], "--dataset csv needs"),
+        (["tutorial", "99"], "tutorial '99' not found"),
+        (["--swa-epochs", "5"], "--rank 10: a PCA subspace needs at least as many SWA snapshots"),
+    ],
+)
+def test_bad_arguments_exit_with_a_message(argv, match):
+    with pytest.raises(SystemExit, match=match):
+        cli.main(argv)
