@@ -9,6 +9,7 @@ mean and 95% band. ``pyro-subspace tutorial 01`` runs a tutorial script.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import runpy
 import sys
@@ -42,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--subspace", choices=SUBSPACES, default="pca")
     p.add_argument("--rank", default="10", help="subspace dimension K, or 'mle' (PCA only)")
     p.add_argument("--inference", choices=INFERENCE, default="nuts")
-    p.add_argument("--temperature", default="auto", help="likelihood temperature T, or 'auto' (T = N/K, paper 2.4)")
+    p.add_argument(
+        "--temperature",
+        default="auto",
+        help="likelihood temperature T, or 'auto' (T = N/K, paper 2.4)",
+    )
     p.add_argument("--prior-scale", type=float, default=1.0, help="prior std of the coordinates t")
     p.add_argument("--epochs", type=int, default=2000, help="MAP epochs (Adam)")
     p.add_argument("--swa-epochs", type=int, default=200, help="SWA epochs (SGD, constant lr)")
@@ -62,7 +67,7 @@ def _network(data: datasets.Dataset, heteroscedastic: bool) -> nn.Module:
     else:  # the paper's small-UCI net: one hidden layer of 50 units (appendix G.1.2)
         sizes = [data.n_features, 50]
     layers: list[nn.Module] = []
-    for a, b in zip(sizes[:-1], sizes[1:]):
+    for a, b in itertools.pairwise(sizes):
         layers += [nn.Linear(a, b), nn.ReLU()]
     return nn.Sequential(*layers, nn.Linear(sizes[-1], out))
 
@@ -99,14 +104,22 @@ def posterior_draws(model: SubspaceNet, args: argparse.Namespace, x, y) -> torch
     """Draws of ``t`` (S, K) by the chosen inference method."""
     if args.inference in ("nuts", "hmc"):
         kernel = NUTS(model) if args.inference == "nuts" else HMC(model, num_steps=10)
-        mcmc = MCMC(kernel, num_samples=args.samples, warmup_steps=args.warmup,
-                    disable_progbar=args.no_progress)
+        mcmc = MCMC(
+            kernel,
+            num_samples=args.samples,
+            warmup_steps=args.warmup,
+            disable_progbar=args.no_progress,
+        )
         mcmc.run(x, y)
         return mcmc.get_samples()["t"]
     guide = AutoNormal(model)
     steps = 4 * args.samples
-    svi = SVI(model, guide, pyro.optim.ClippedAdam({"lr": 0.02, "lrd": 0.1 ** (1 / steps)}),
-              Trace_ELBO(num_particles=8, vectorize_particles=True, max_plate_nesting=1))
+    svi = SVI(
+        model,
+        guide,
+        pyro.optim.ClippedAdam({"lr": 0.02, "lrd": 0.1 ** (1 / steps)}),
+        Trace_ELBO(num_particles=8, vectorize_particles=True, max_plate_nesting=1),
+    )
     for _ in range(steps):
         svi.step(x, y)
     draws = Predictive(model, guide=guide, num_samples=args.samples, return_sites=["t"])(x, y)["t"]
@@ -133,8 +146,10 @@ def run(args: argparse.Namespace) -> dict:
     rank = _parse_rank(args.rank, args.subspace)
     temperature = _parse_temperature(args.temperature)
     if args.subspace == "pca" and rank != "mle" and rank > min(args.swa_epochs, 20):
-        raise SystemExit(f"--rank {rank}: a PCA subspace needs at least as many SWA snapshots; "
-                         f"--swa-epochs {args.swa_epochs} keeps {min(args.swa_epochs, 20)}")
+        raise SystemExit(
+            f"--rank {rank}: a PCA subspace needs at least as many SWA snapshots; "
+            f"--swa-epochs {args.swa_epochs} keeps {min(args.swa_epochs, 20)}"
+        )
     data = _load(args)
     if data.task != "regression":
         raise SystemExit(f"--dataset {args.dataset}: the default run is for regression data")
@@ -143,11 +158,31 @@ def run(args: argparse.Namespace) -> dict:
     lik = likelihoods.Gaussian()  # noise scale learned with the MAP (type-II ML), then fixed
     collector = subspaces.SWACollector(net, max_snapshots=20)
     progress = not args.no_progress
-    fit_map(net, lik, data.x_train, data.y_train, epochs=args.epochs, lr=1e-3, weight_decay=1e-4,
-            seed=args.seed, progress=progress)  # MAP: full-batch Adam
-    fit_map(net, lik, data.x_train, data.y_train, epochs=0, collector=collector,
-            swa_epochs=args.swa_epochs, swa_lr=args.swa_lr, batch_size=50, weight_decay=1e-4,
-            seed=args.seed, progress=progress)  # SWA: minibatch SGD at a constant rate
+    fit_map(
+        net,
+        lik,
+        data.x_train,
+        data.y_train,
+        epochs=args.epochs,
+        lr=1e-3,
+        weight_decay=1e-4,
+        seed=args.seed,
+        progress=progress,
+    )  # MAP: full-batch Adam
+    fit_map(
+        net,
+        lik,
+        data.x_train,
+        data.y_train,
+        epochs=0,
+        collector=collector,
+        swa_epochs=args.swa_epochs,
+        swa_lr=args.swa_lr,
+        batch_size=50,
+        weight_decay=1e-4,
+        seed=args.seed,
+        progress=progress,
+    )  # SWA: minibatch SGD at a constant rate
     t_train = time.perf_counter() - t0
     if args.subspace == "pca":
         sub = subspaces.pca(collector, rank, seed=args.seed)
@@ -170,9 +205,14 @@ def run(args: argparse.Namespace) -> dict:
         ),
     }
     results = {
-        "dataset": data.name, "subspace": args.subspace, "rank": sub.rank,
-        "inference": args.inference, "temperature": model.temperature_for(data.n_train),
-        "sigma": float(lik.sigma.detach()), "train_seconds": t_train, "inference_seconds": t_infer,
+        "dataset": data.name,
+        "subspace": args.subspace,
+        "rank": sub.rank,
+        "inference": args.inference,
+        "temperature": model.temperature_for(data.n_train),
+        "sigma": float(lik.sigma.detach()),
+        "train_seconds": t_train,
+        "inference_seconds": t_infer,
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -183,16 +223,21 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _table(results: dict) -> str:
-    lines = [
+    header = (
         f"dataset={results['dataset']}  subspace={results['subspace']} (K={results['rank']})  "
         f"inference={results['inference']}  T={results['temperature']:.3g}  "
         f"sigma={results['sigma']:.3f}  train {results['train_seconds']:.1f}s  "
-        f"inference {results['inference_seconds']:.1f}s",
+        f"inference {results['inference_seconds']:.1f}s"
+    )
+    lines = [
+        header,
         f"{'method':<14}{'test NLL':>10}{'NLL (MM)':>10}{'RMSE':>8}{'cover95':>9}",
     ]
     for name, r in results["rows"].items():
-        lines.append(f"{name:<14}{r['nll']:>10.3f}{r['nll_moment_matched']:>10.3f}"
-                     f"{r['rmse']:>8.3f}{r['coverage95']:>9.3f}")
+        lines.append(
+            f"{name:<14}{r['nll']:>10.3f}{r['nll_moment_matched']:>10.3f}"
+            f"{r['rmse']:>8.3f}{r['coverage95']:>9.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -243,7 +288,8 @@ def run_tutorial(name: str) -> None:
     runpy.run_path(str(matches[0]), run_name="__main__")
 
 
-def main(argv: list[str] | None = None) -> dict | None:
+def execute(argv: list[str] | None = None) -> dict | None:
+    """Run the command with ``argv``; returns the default run's results (``None`` for tutorials)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "tutorial":
         if len(argv) != 2:
@@ -253,5 +299,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     return run(build_parser().parse_args(argv))
 
 
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point: exit status 0 on success."""
+    execute(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -79,9 +79,19 @@ def to_inference_data(
     if seed is not None:
         pyro.set_rng_seed(seed)
     prototype = poutine.trace(model).get_trace(*args, **kwargs)
-    observed = [name for name, s in prototype.nodes.items() if _is_random(name, s) and s["is_observed"]]
-    nesting = max([-f.dim for s in prototype.nodes.values() if s["type"] == "sample"
-                   for f in s["cond_indep_stack"] if f.vectorized] + [0])
+    observed = [
+        name for name, s in prototype.nodes.items() if _is_random(name, s) and s["is_observed"]
+    ]
+    nesting = max(
+        [
+            -f.dim
+            for s in prototype.nodes.values()
+            if s["type"] == "sample"
+            for f in s["cond_indep_stack"]
+            if f.vectorized
+        ]
+        + [0]
+    )
     pieces: dict[str, list[torch.Tensor]] = {"lp": []}
     for start in range(0, n_chains * n_draws, draws_per_chunk):
         chunk = {k: v[start : start + draws_per_chunk] for k, v in flat.items()}
@@ -95,7 +105,9 @@ def to_inference_data(
             lp = lp + (site_lp * site["scale"]).reshape(s, -1).sum(-1).detach().cpu()
             if name in observed:
                 shape = prototype.nodes[name]["fn"].batch_shape
-                pieces.setdefault(f"ll:{name}", []).append(site_lp.reshape(s, *shape).detach().cpu())
+                pieces.setdefault(f"ll:{name}", []).append(
+                    site_lp.reshape(s, *shape).detach().cpu()
+                )
                 draw = site["fn"].sample().reshape(s, *prototype.nodes[name]["value"].shape)
                 pieces.setdefault(f"pp:{name}", []).append(draw.detach().cpu())
         pieces["lp"].append(lp)
@@ -103,7 +115,8 @@ def to_inference_data(
     def group(prefix: str) -> dict[str, np.ndarray]:
         return {
             key[len(prefix) :]: _by_chain(torch.cat(val), n_chains, n_draws)
-            for key, val in pieces.items() if key.startswith(prefix)
+            for key, val in pieces.items()
+            if key.startswith(prefix)
         }
 
     groups: dict[str, dict[str, np.ndarray]] = {
@@ -118,14 +131,18 @@ def to_inference_data(
     return _from_dict(groups)
 
 
-def _check_samples(samples: Mapping[str, torch.Tensor], group_by_chain: bool) -> dict[str, torch.Tensor]:
+def _check_samples(
+    samples: Mapping[str, torch.Tensor], group_by_chain: bool
+) -> dict[str, torch.Tensor]:
     if not isinstance(samples, Mapping) or not samples:
         raise TypeError("samples: expected a non-empty dict {site name: tensor}")
     lead = 2 if group_by_chain else 1
     sizes = set()
     for name, value in samples.items():
         if not isinstance(value, torch.Tensor) or value.dim() < lead:
-            raise ValueError(f"samples[{name!r}]: expected a tensor with {lead} leading sample dims")
+            raise ValueError(
+                f"samples[{name!r}]: expected a tensor with {lead} leading sample dims"
+            )
         if not torch.isfinite(value).all():
             raise ValueError(f"samples[{name!r}]: contains NaN or inf")
         sizes.add(tuple(value.shape[:lead]))

@@ -64,10 +64,14 @@ class FlatNet:
     def check_weights(self, w: torch.Tensor, name: str = "w", batched: bool = True) -> None:
         """Raise ``TypeError``/``ValueError`` unless ``w`` is a float tensor ``(..., D)``."""
         if not isinstance(w, torch.Tensor) or not w.is_floating_point():
-            raise TypeError(f"{name}: expected a floating-point torch.Tensor, got {type(w).__name__}")
+            raise TypeError(
+                f"{name}: expected a floating-point torch.Tensor, got {type(w).__name__}"
+            )
         if w.dim() == 0 or w.shape[-1] != self.num_weights or (not batched and w.dim() != 1):
             want = f"(..., {self.num_weights})" if batched else f"({self.num_weights},)"
-            raise ValueError(f"{name}: expected shape {want} for this network, got {tuple(w.shape)}")
+            raise ValueError(
+                f"{name}: expected shape {want} for this network, got {tuple(w.shape)}"
+            )
 
     def __call__(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Evaluate the network at weights ``w`` on inputs ``x``.

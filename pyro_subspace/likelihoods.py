@@ -60,7 +60,9 @@ class Likelihood(PyroModule):
         if not isinstance(y, torch.Tensor):
             raise TypeError(f"y: expected a torch.Tensor, got {type(y).__name__}")
         if y.dim() == 0 or y.shape[0] != n:
-            raise ValueError(f"y: expected {n} targets (first dimension), got shape {tuple(y.shape)}")
+            raise ValueError(
+                f"y: expected {n} targets (first dimension), got shape {tuple(y.shape)}"
+            )
         if y.is_floating_point() and not torch.isfinite(y).all():
             raise ValueError("y: contains NaN or inf")
         if y.dim() == 2 and y.shape[1] == 1:
@@ -137,7 +139,9 @@ class Gaussian(Likelihood):
         self.learn_sigma = sigma is None and not self.heteroscedastic
         if self.heteroscedastic:
             if sigma is not None:
-                raise ValueError("sigma: must be None when heteroscedastic=True (the net outputs the scale)")
+                raise ValueError(
+                    "sigma: must be None when heteroscedastic=True (the net outputs the scale)"
+                )
             self.num_outputs = 2
         elif sigma is None:
             if not (isinstance(sigma_init, (int, float)) and sigma_init > 0):
@@ -158,7 +162,9 @@ class Gaussian(Likelihood):
             got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
             raise ValueError(f"y: expected shape ({n}, {o}) for a net with {o} outputs, got {got}")
         if not y.is_floating_point() or not torch.isfinite(y).all():
-            raise ValueError("y: expected finite floating-point targets (NaN, inf or integers found)")
+            raise ValueError(
+                "y: expected finite floating-point targets (NaN, inf or integers found)"
+            )
         return y
 
     def prepare_target(self, y: torch.Tensor, n: int) -> torch.Tensor:
@@ -190,7 +196,9 @@ class Categorical(Likelihood):
     def check_outputs(self, outputs: torch.Tensor) -> None:
         super().check_outputs(outputs)
         if outputs.shape[-1] < 2:
-            raise ValueError(f"outputs: Categorical needs >= 2 logits per point, got {outputs.shape[-1]}")
+            raise ValueError(
+                f"outputs: Categorical needs >= 2 logits per point, got {outputs.shape[-1]}"
+            )
 
     def prepare_target(self, y: torch.Tensor, n: int) -> torch.Tensor:
         y = super().prepare_target(y, n)

@@ -57,9 +57,13 @@ def fit_map(
     if not isinstance(net, nn.Module):
         raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
     if not isinstance(likelihood, Likelihood):
-        raise TypeError(f"likelihood: expected a pyro_subspace Likelihood, got {type(likelihood).__name__}")
+        raise TypeError(
+            f"likelihood: expected a pyro_subspace Likelihood, got {type(likelihood).__name__}"
+        )
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] < 1:
-        raise ValueError(f"x: expected a tensor of shape (N, ...) with N >= 1, got {getattr(x, 'shape', x)!r}")
+        raise ValueError(
+            f"x: expected a tensor of shape (N, ...) with N >= 1, got {getattr(x, 'shape', x)!r}"
+        )
     if x.is_floating_point() and not torch.isfinite(x).all():
         raise ValueError("x: contains NaN or inf")
     n = x.shape[0]
@@ -75,7 +79,9 @@ def fit_map(
             raise ValueError(f"{name}: expected a positive number, got {value!r}")
     if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
         raise ValueError(f"weight_decay: expected a number >= 0, got {weight_decay!r}")
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+    ):
         raise ValueError(f"batch_size: expected a positive int or None, got {batch_size!r}")
     if optimizer not in ("adam", "sgd"):
         raise ValueError(f"optimizer: expected 'adam' or 'sgd', got {optimizer!r}")
@@ -105,7 +111,13 @@ def fit_map(
     history: list[float] = []
     modes = [(m, m.training) for m in net.modules()]
     net.train()
-    bar = tqdm(total=epochs + swa_epochs, desc="fit_map", disable=not progress, leave=False)
+    bar = tqdm(
+        total=epochs + swa_epochs,
+        desc="fit_map",
+        disable=not progress,
+        leave=False,
+        mininterval=0.5,
+    )
     try:
         for opt, n_epochs, swa in phases:
             for _ in range(n_epochs):
@@ -134,7 +146,9 @@ def fit_map(
                 if swa:
                     collector.collect()
                 bar.update()
-                bar.set_postfix(loss=f"{history[-1]:.4f}", phase="swa" if swa else "map")
+                bar.set_postfix(
+                    loss=f"{history[-1]:.4f}", phase="swa" if swa else "map", refresh=False
+                )
     finally:
         bar.close()
         for m, training in modes:

@@ -8,7 +8,7 @@ TINY = ["--epochs", "30", "--swa-epochs", "12", "--samples", "12", "--warmup", "
 
 
 def test_default_run_writes_table_json_and_png(tmp_path, capsys):
-    results = cli.main(TINY + ["--out", str(tmp_path)])
+    results = cli.execute(TINY + ["--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert "MAP (SWA)" in printed and "PCA+NUTS" in printed
     saved = json.loads((tmp_path / "results.json").read_text())
@@ -22,8 +22,23 @@ def test_default_run_writes_table_json_and_png(tmp_path, capsys):
 
 
 def test_random_subspace_with_vi_on_diabetes(tmp_path):
-    results = cli.main(TINY + ["--dataset", "diabetes", "--subspace", "random", "--rank", "3",
-                               "--inference", "vi", "--temperature", "2", "--out", str(tmp_path)])
+    results = cli.execute(
+        TINY
+        + [
+            "--dataset",
+            "diabetes",
+            "--subspace",
+            "random",
+            "--rank",
+            "3",
+            "--inference",
+            "vi",
+            "--temperature",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert set(results["rows"]) == {"MAP (SWA)", "RANDOM+VI"}
     assert results["temperature"] == 2.0
     assert (tmp_path / "diabetes_random_vi.png").exists()
@@ -42,4 +57,8 @@ def test_random_subspace_with_vi_on_diabetes(tmp_path):
 )
 def test_bad_arguments_exit_with_a_message(argv, match):
     with pytest.raises(SystemExit, match=match):
-        cli.main(argv)
+        cli.execute(argv)
+
+
+def test_console_entry_point_returns_exit_status_zero(tmp_path):
+    assert cli.main(TINY + ["--out", str(tmp_path)]) == 0

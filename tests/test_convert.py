@@ -17,14 +17,16 @@ def fitted():
     x = torch.randn(40, 2)
     y = torch.sin(x[:, 0]) + 0.1 * torch.randn(40)
     net = nn.Sequential(nn.Linear(2, 10), nn.Tanh(), nn.Linear(10, 1))
-    model = SubspaceNet(net, subspaces.random(net, 3, seed=0), likelihoods.Gaussian(0.3), temperature=2.0)
+    model = SubspaceNet(
+        net, subspaces.random(net, 3, seed=0), likelihoods.Gaussian(0.3), temperature=2.0
+    )
     mcmc = MCMC(NUTS(model), num_samples=60, warmup_steps=40, num_chains=2, disable_progbar=True)
     mcmc.run(x, y)
     return model, mcmc, x, y
 
 
 def test_mcmc_export_has_all_groups_and_passes_arviz(fitted):
-    model, mcmc, x, y = fitted
+    _, mcmc, _, y = fitted
     idata = convert.to_inference_data(mcmc, seed=0)
     assert idata.posterior["t"].shape == (2, 60, 3)
     assert idata.log_likelihood["obs"].shape == (2, 60, 40)
@@ -46,7 +48,9 @@ def test_pointwise_log_likelihood_is_untempered_and_matches_a_direct_computation
     idata = convert.to_inference_data(mcmc, draws_per_chunk=7)  # chunks that split chains
     t = mcmc.get_samples(group_by_chain=True)["t"]  # (2, 60, 3)
     direct = likelihoods.Gaussian(0.3).log_prob(model.outputs(t, x), y)  # (2, 60, 40)
-    np.testing.assert_allclose(idata.log_likelihood["obs"].values, direct.detach().numpy(), atol=1e-4)
+    np.testing.assert_allclose(
+        idata.log_likelihood["obs"].values, direct.detach().numpy(), atol=1e-4
+    )
     # lp is the joint the sampler targets: log prior + tempered log-likelihood (T = 2).
     prior = model.prior().log_prob(t)
     np.testing.assert_allclose(

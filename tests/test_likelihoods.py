@@ -50,12 +50,42 @@ def test_categorical_and_bernoulli_match_closed_forms():
     "lik, outputs, y, match",
     [
         (likelihoods.Gaussian(0.1), torch.zeros(5, 1), torch.zeros(4), "y: expected 5 targets"),
-        (likelihoods.Gaussian(0.1), torch.zeros(5, 1), torch.zeros(5, 5), r"y: expected shape \(5,\) or \(5, 1\)"),
-        (likelihoods.Gaussian(0.1), torch.zeros(5, 1), torch.full((5,), float("nan")), "y: contains NaN"),
-        (likelihoods.Gaussian(heteroscedastic=True), torch.zeros(5, 1), torch.zeros(5), "needs 2 network output"),
-        (likelihoods.Categorical(), torch.zeros(5, 3), torch.tensor([0, 1, 2, 3, 0]), r"labels must lie in \[0, 3\)"),
-        (likelihoods.Categorical(), torch.zeros(5, 3), torch.tensor([0.5, 1, 2, 0, 0]), "must be integers"),
-        (likelihoods.Bernoulli(), torch.zeros(5, 1), torch.tensor([0.0, 1, 2, 0, 1]), "must be 0 or 1"),
+        (
+            likelihoods.Gaussian(0.1),
+            torch.zeros(5, 1),
+            torch.zeros(5, 5),
+            r"y: expected shape \(5,\) or \(5, 1\)",
+        ),
+        (
+            likelihoods.Gaussian(0.1),
+            torch.zeros(5, 1),
+            torch.full((5,), float("nan")),
+            "y: contains NaN",
+        ),
+        (
+            likelihoods.Gaussian(heteroscedastic=True),
+            torch.zeros(5, 1),
+            torch.zeros(5),
+            "needs 2 network output",
+        ),
+        (
+            likelihoods.Categorical(),
+            torch.zeros(5, 3),
+            torch.tensor([0, 1, 2, 3, 0]),
+            r"labels must lie in \[0, 3\)",
+        ),
+        (
+            likelihoods.Categorical(),
+            torch.zeros(5, 3),
+            torch.tensor([0.5, 1, 2, 0, 0]),
+            "must be integers",
+        ),
+        (
+            likelihoods.Bernoulli(),
+            torch.zeros(5, 1),
+            torch.tensor([0.0, 1, 2, 0, 1]),
+            "must be 0 or 1",
+        ),
     ],
 )
 def test_likelihoods_reject_bad_targets_and_outputs(lik, outputs, y, match):
@@ -95,7 +125,9 @@ def test_temperature_scales_the_log_likelihood_by_exactly_one_over_t():
     auto = make_model(temperature="auto")
     assert auto.temperature_for(40) == 40 / 3
     got_auto, trace = obs_log_prob_sum(auto, x, y)
-    untempered = likelihoods.Gaussian(0.3).log_prob(auto.outputs(trace.nodes["t"]["value"], x), y).sum()
+    untempered = (
+        likelihoods.Gaussian(0.3).log_prob(auto.outputs(trace.nodes["t"]["value"], x), y).sum()
+    )
     assert torch.allclose(got_auto, untempered * 3 / 40, rtol=1e-6)
 
 
@@ -105,7 +137,9 @@ def test_subsampling_scales_by_n_over_batch():
     got, trace = obs_log_prob_sum(model, x, y, subsample_size=8)
     idx = trace.nodes["data"]["value"]
     assert idx.shape == (8,)
-    lp = likelihoods.Gaussian(0.3).log_prob(model.outputs(trace.nodes["t"]["value"], x[idx]), y[idx])
+    lp = likelihoods.Gaussian(0.3).log_prob(
+        model.outputs(trace.nodes["t"]["value"], x[idx]), y[idx]
+    )
     assert torch.allclose(got, lp.sum() * (40 / 8) / 2.0, rtol=1e-6)
 
 

@@ -10,11 +10,11 @@ import math
 import pyro
 import pytest
 import torch
+from conftest import conjugate_posterior
 from pyro.infer import HMC, MCMC, NUTS, SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoIAFNormal, AutoMultivariateNormal, AutoNormal
 from torch import nn
 
-from conftest import conjugate_posterior
 from pyro_subspace import SubspaceNet, likelihoods, subspaces
 from pyro_subspace.subspaces import Subspace
 
@@ -50,7 +50,9 @@ def assert_matches_gaussian(samples, mean, cov, ess):
 )
 def test_mcmc_reproduces_the_conjugate_posterior(kernel, temperature):
     x, y, net, sub = conjugate_problem()
-    model = SubspaceNet(net, sub, likelihoods.Gaussian(SIGMA), prior_scale=PRIOR, temperature=temperature)
+    model = SubspaceNet(
+        net, sub, likelihoods.Gaussian(SIGMA), prior_scale=PRIOR, temperature=temperature
+    )
     mcmc = MCMC(kernel(model), num_samples=800, warmup_steps=300, disable_progbar=True)
     mcmc.run(x, y)
     t = mcmc.get_samples()["t"]
@@ -62,7 +64,12 @@ def test_mcmc_reproduces_the_conjugate_posterior(kernel, temperature):
 
 def fit_svi(model, guide, x, y, steps, lr=0.05):
     optim = pyro.optim.ClippedAdam({"lr": lr, "lrd": 0.01 ** (1 / steps)})
-    svi = SVI(model, guide, optim, Trace_ELBO(num_particles=16, vectorize_particles=True, max_plate_nesting=1))
+    svi = SVI(
+        model,
+        guide,
+        optim,
+        Trace_ELBO(num_particles=16, vectorize_particles=True, max_plate_nesting=1),
+    )
     for _ in range(steps):
         svi.step(x, y)
     return svi
@@ -75,7 +82,10 @@ def test_svi_multivariate_normal_matches_the_posterior_and_mean_field_its_closed
     sd = cov.diagonal().sqrt()
     guide = AutoMultivariateNormal(model)
     fit_svi(model, guide, x, y, steps=600)
-    q_mean, q_cov = guide.get_posterior().mean.detach(), guide.get_posterior().covariance_matrix.detach()
+    q_mean, q_cov = (
+        guide.get_posterior().mean.detach(),
+        guide.get_posterior().covariance_matrix.detach(),
+    )
     assert ((q_mean - mean).abs() < 0.15 * sd).all()
     assert ((q_cov - cov).abs() < 0.15 * (sd[:, None] * sd[None, :])).all()
     # Mean-field VI on a Gaussian has the exact mean and the variances 1 / diag(precision).

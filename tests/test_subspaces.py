@@ -69,7 +69,12 @@ def test_save_load_and_device_dtype(tmp_path):
     "shift, basis, exc, match",
     [
         (torch.zeros(5, 2), torch.zeros(5, 1), ValueError, "shift: expected shape"),
-        (torch.zeros(5), torch.zeros(4, 2), ValueError, r"basis: expected a dense basis of shape \(D, K\) = \(5"),
+        (
+            torch.zeros(5),
+            torch.zeros(4, 2),
+            ValueError,
+            r"basis: expected a dense basis of shape \(D, K\) = \(5",
+        ),
         (torch.zeros(5), torch.tensor([0, 5]), ValueError, r"basis: indices must lie in \[0, 5\)"),
         (torch.zeros(5), torch.tensor([1, 1]), ValueError, "basis: indices must be distinct"),
         (torch.tensor([0.0, float("nan")]), torch.zeros(2, 1), ValueError, "shift: contains NaN"),
@@ -116,7 +121,9 @@ def test_collector_mean_variance_and_last_deviations_match_numpy():
     net = small_net()
     col = SWACollector(net, max_snapshots=4)
     d = col.flat.num_weights
-    snaps = run_trajectory(net, col, torch.randn(d, 3, dtype=torch.float64), steps=7).double().numpy()
+    snaps = (
+        run_trajectory(net, col, torch.randn(d, 3, dtype=torch.float64), steps=7).double().numpy()
+    )
     assert col.n_collected == 7 and col.num_snapshots == 4
     np.testing.assert_allclose(col.mean.numpy(), snaps.mean(0), atol=1e-5)
     np.testing.assert_allclose(col.variance.numpy(), snaps.var(0), atol=1e-4)
@@ -151,10 +158,12 @@ def test_pca_rank_larger_than_snapshots_is_an_error():
     net = small_net()
     col = SWACollector(net, max_snapshots=5)
     run_trajectory(net, col, torch.randn(col.flat.num_weights, 2, dtype=torch.float64), steps=3)
-    with pytest.raises(ValueError, match="rank: 4 is larger than the number of collected snapshots M=3"):
+    with pytest.raises(
+        ValueError, match="rank: 4 is larger than the number of collected snapshots M=3"
+    ):
         subspaces.pca(col, rank=4)
     with pytest.raises(RuntimeError, match="call collect"):
-        SWACollector(net).mean
+        _ = SWACollector(net).mean
     with pytest.raises(ValueError, match="max_snapshots"):
         SWACollector(net, max_snapshots=1)
 

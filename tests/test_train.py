@@ -16,7 +16,16 @@ def test_full_batch_map_is_the_ridge_solution():
     x, y = ridge_problem()
     sigma, wd = 0.5, 0.05
     net = nn.Linear(4, 1, bias=False)
-    fit_map(net, likelihoods.Gaussian(sigma), x, y, epochs=3000, lr=0.01, weight_decay=wd, progress=False)
+    fit_map(
+        net,
+        likelihoods.Gaussian(sigma),
+        x,
+        y,
+        epochs=3000,
+        lr=0.01,
+        weight_decay=wd,
+        progress=False,
+    )
     # minimise (1/N) Σ (y − x w)² / (2σ²) + (λ/2)‖w‖²  ⇒  (XᵀX/(Nσ²) + λI) w = Xᵀy/(Nσ²)
     n = x.shape[0]
     a = x.T.double() @ x.double() / (n * sigma**2) + wd * torch.eye(4, dtype=torch.float64)
@@ -29,8 +38,20 @@ def test_learned_sigma_reaches_the_residual_mle_and_swa_collects_each_epoch():
     net = nn.Linear(4, 1)
     lik = likelihoods.Gaussian(sigma_init=2.0)
     col = subspaces.SWACollector(net, max_snapshots=5)
-    hist = fit_map(net, lik, x, y, epochs=1500, lr=0.02, batch_size=None, collector=col, swa_epochs=7,
-                   swa_lr=1e-3, progress=False, seed=0)
+    hist = fit_map(
+        net,
+        lik,
+        x,
+        y,
+        epochs=1500,
+        lr=0.02,
+        batch_size=None,
+        collector=col,
+        swa_epochs=7,
+        swa_lr=1e-3,
+        progress=False,
+        seed=0,
+    )
     assert len(hist) == 1507 and col.n_collected == 7 and col.num_snapshots == 5
     resid = y - net(x).squeeze(-1).detach()
     assert abs(lik.sigma.item() - resid.pow(2).mean().sqrt().item()) < 5e-3
@@ -38,11 +59,13 @@ def test_learned_sigma_reaches_the_residual_mle_and_swa_collects_each_epoch():
 
 
 def test_minibatches_and_modes_are_restored():
-    x, y = ridge_problem(n=50)
+    x, _ = ridge_problem(n=50)
     net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
     net.eval()
     labels = torch.randint(0, 3, (50,))
-    hist = fit_map(net, likelihoods.Categorical(), x, labels, epochs=30, batch_size=16, seed=1, progress=False)
+    hist = fit_map(
+        net, likelihoods.Categorical(), x, labels, epochs=30, batch_size=16, seed=1, progress=False
+    )
     assert not net.training and hist[-1] < hist[0]
 
 
@@ -74,8 +97,15 @@ def test_fit_map_rejects_bad_data_and_divergence():
         fit_map(net, likelihoods.Gaussian(0.1), x * 1e30, y, lr=1e10, epochs=5, progress=False)
     other = nn.Linear(4, 1)
     with pytest.raises(ValueError, match="different network"):
-        fit_map(net, likelihoods.Gaussian(0.1), x, y, collector=subspaces.SWACollector(other),
-                swa_epochs=2, progress=False)
+        fit_map(
+            net,
+            likelihoods.Gaussian(0.1),
+            x,
+            y,
+            collector=subspaces.SWACollector(other),
+            swa_epochs=2,
+            progress=False,
+        )
 
 
 def test_each_phase_uses_its_own_learning_rate():
@@ -84,6 +114,16 @@ def test_each_phase_uses_its_own_learning_rate():
     x, y = ridge_problem()
     net = nn.Linear(4, 1)
     col = subspaces.SWACollector(net, max_snapshots=5)
-    fit_map(net, likelihoods.Gaussian(0.5), x, y, epochs=1, lr=0.5, collector=col, swa_epochs=5,
-            swa_lr=1e-9, progress=False)
+    fit_map(
+        net,
+        likelihoods.Gaussian(0.5),
+        x,
+        y,
+        epochs=1,
+        lr=0.5,
+        collector=col,
+        swa_epochs=5,
+        swa_lr=1e-9,
+        progress=False,
+    )
     assert col.deviations.abs().max() < 1e-6  # a 1e-9 step barely moves the weights

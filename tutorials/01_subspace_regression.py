@@ -57,8 +57,15 @@ pyro.set_rng_seed(0)
 # %%
 data = datasets.toy_regression(n=400, seed=0)
 net = nn.Sequential(
-    nn.Linear(2, 200), nn.ReLU(), nn.Linear(200, 50), nn.ReLU(),
-    nn.Linear(50, 50), nn.ReLU(), nn.Linear(50, 50), nn.ReLU(), nn.Linear(50, 1),
+    nn.Linear(2, 200),
+    nn.ReLU(),
+    nn.Linear(200, 50),
+    nn.ReLU(),
+    nn.Linear(50, 50),
+    nn.ReLU(),
+    nn.Linear(50, 50),
+    nn.ReLU(),
+    nn.Linear(50, 1),
 )
 likelihood = likelihoods.Gaussian()  # noise scale learned with the MAP, then held fixed
 print("training points:", data.n_train, " weights D =", sum(p.numel() for p in net.parameters()))
@@ -70,10 +77,31 @@ print("training points:", data.n_train, " weights D =", sum(p.numel() for p in n
 
 # %%
 collector = subspaces.SWACollector(net, max_snapshots=20)
-fit_map(net, likelihood, data.x_train, data.y_train, epochs=EPOCHS, lr=1e-3, weight_decay=1e-4,
-        seed=0, progress=False)
-fit_map(net, likelihood, data.x_train, data.y_train, epochs=0, collector=collector,
-        swa_epochs=SWA_EPOCHS, swa_lr=3e-4, batch_size=50, weight_decay=1e-4, seed=0, progress=False)
+fit_map(
+    net,
+    likelihood,
+    data.x_train,
+    data.y_train,
+    epochs=EPOCHS,
+    lr=1e-3,
+    weight_decay=1e-4,
+    seed=0,
+    progress=False,
+)
+fit_map(
+    net,
+    likelihood,
+    data.x_train,
+    data.y_train,
+    epochs=0,
+    collector=collector,
+    swa_epochs=SWA_EPOCHS,
+    swa_lr=3e-4,
+    batch_size=50,
+    weight_decay=1e-4,
+    seed=0,
+    progress=False,
+)
 print(f"learned noise sigma = {likelihood.sigma.item():.3f}; snapshots = {collector.num_snapshots}")
 
 # %% [markdown]
@@ -92,8 +120,9 @@ print("temperature T = N/K =", model.temperature_for(data.n_train))
 # ## NUTS in the subspace, checked with ArviZ
 
 # %%
-mcmc = MCMC(NUTS(model), num_samples=SAMPLES, warmup_steps=WARMUP, num_chains=CHAINS,
-            disable_progbar=TINY)
+mcmc = MCMC(
+    NUTS(model), num_samples=SAMPLES, warmup_steps=WARMUP, num_chains=CHAINS, disable_progbar=TINY
+)
 mcmc.run(data.x_train, data.y_train)
 idata = convert.to_inference_data(mcmc, seed=0)
 print(az.summary(idata, var_names=["t"]))
@@ -105,13 +134,18 @@ print(az.loo(idata))
 
 # %%
 guide = AutoNormal(model)
-svi = SVI(model, guide, pyro.optim.ClippedAdam({"lr": 0.02, "lrd": 0.1 ** (1 / SVI_STEPS)}),
-          Trace_ELBO(num_particles=8, vectorize_particles=True, max_plate_nesting=1))
+svi = SVI(
+    model,
+    guide,
+    pyro.optim.ClippedAdam({"lr": 0.02, "lrd": 0.1 ** (1 / SVI_STEPS)}),
+    Trace_ELBO(num_particles=8, vectorize_particles=True, max_plate_nesting=1),
+)
 for step in range(SVI_STEPS):
     loss = svi.step(data.x_train, data.y_train)
 print(f"final ELBO loss: {loss:.1f}")
 t_vi = Predictive(model, guide=guide, num_samples=SAMPLES * CHAINS, return_sites=["t"])(
-    data.x_train, data.y_train)["t"].reshape(-1, subspace.rank)
+    data.x_train, data.y_train
+)["t"].reshape(-1, subspace.rank)
 
 # %% [markdown]
 # ## Predictive comparison
@@ -120,8 +154,11 @@ t_vi = Predictive(model, guide=guide, num_samples=SAMPLES * CHAINS, return_sites
 
 # %%
 sigma2 = likelihood.sigma.detach() ** 2
-draws = {"SWA (MAP)": torch.zeros(1, subspace.rank), "PCA+NUTS": mcmc.get_samples()["t"],
-         "PCA+VI": t_vi}
+draws = {
+    "SWA (MAP)": torch.zeros(1, subspace.rank),
+    "PCA+NUTS": mcmc.get_samples()["t"],
+    "PCA+VI": t_vi,
+}
 print(f"{'method':<11}{'NLL':>8}{'RMSE':>8}{'cover95':>9}")
 fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
 for ax, (name, t) in zip(axes, draws.items()):

@@ -71,10 +71,16 @@ class SubspaceNet(PyroModule):
                 f"{self.flat.num_weights}; build the subspace from this network"
             )
         if not isinstance(likelihood, Likelihood):
-            raise TypeError(f"likelihood: expected a pyro_subspace Likelihood, got {type(likelihood).__name__}")
-        scale = torch.as_tensor(prior_scale, dtype=subspace.shift.dtype, device=subspace.shift.device)
+            raise TypeError(
+                f"likelihood: expected a pyro_subspace Likelihood, got {type(likelihood).__name__}"
+            )
+        scale = torch.as_tensor(
+            prior_scale, dtype=subspace.shift.dtype, device=subspace.shift.device
+        )
         if scale.dim() > 1 or (scale.dim() == 1 and scale.shape[0] != subspace.rank):
-            raise ValueError(f"prior_scale: expected a float or a ({subspace.rank},) tensor, got shape {tuple(scale.shape)}")
+            raise ValueError(
+                f"prior_scale: expected a float or a ({subspace.rank},) tensor, got shape {tuple(scale.shape)}"
+            )
         if not torch.isfinite(scale).all() or (scale <= 0).any():
             raise ValueError(f"prior_scale: expected positive finite values, got {prior_scale!r}")
         if temperature != "auto":

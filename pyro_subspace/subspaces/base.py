@@ -62,11 +62,15 @@ class Subspace(nn.Module):
                 )
             basis = basis.long().to(shift.device)
             if basis.min() < 0 or basis.max() >= d:
-                raise ValueError(f"basis: indices must lie in [0, {d}), got [{basis.min()}, {basis.max()}]")
+                raise ValueError(
+                    f"basis: indices must lie in [0, {d}), got [{basis.min()}, {basis.max()}]"
+                )
             if basis.unique().numel() != basis.numel():
                 raise ValueError("basis: indices must be distinct")
         else:
-            raise TypeError(f"basis: expected a float (D, K) or integer (K,) tensor, got {basis.dtype}")
+            raise TypeError(
+                f"basis: expected a float (D, K) or integer (K,) tensor, got {basis.dtype}"
+            )
         self.register_buffer("shift", shift.detach().clone())
         self.register_buffer("basis", basis.detach().clone())
 
@@ -87,7 +91,9 @@ class Subspace(nn.Module):
 
     def _check_t(self, t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"t: expected a tensor of shape (..., {self.rank}), got {type(t).__name__}")
+            raise TypeError(
+                f"t: expected a tensor of shape (..., {self.rank}), got {type(t).__name__}"
+            )
         if t.dim() == 0 or t.shape[-1] != self.rank:
             raise ValueError(f"t: expected shape (..., {self.rank}), got {tuple(t.shape)}")
 
@@ -148,7 +154,9 @@ class Subspace(nn.Module):
         torch.save({"shift": self.shift, "basis": self.basis}, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, map_location: str | torch.device | None = None) -> Subspace:
+    def load(
+        cls, path: str | os.PathLike, map_location: str | torch.device | None = None
+    ) -> Subspace:
         """Read a subspace written by `save` (``torch.load`` with ``weights_only=True``)."""
         state = torch.load(path, map_location=map_location, weights_only=True)
         return cls(state["shift"], state["basis"])

@@ -37,7 +37,11 @@ class SWACollector:
     """
 
     def __init__(self, net: nn.Module, max_snapshots: int = 20) -> None:
-        if isinstance(max_snapshots, bool) or not isinstance(max_snapshots, int) or max_snapshots < 2:
+        if (
+            isinstance(max_snapshots, bool)
+            or not isinstance(max_snapshots, int)
+            or max_snapshots < 2
+        ):
             raise ValueError(f"max_snapshots: expected an int >= 2, got {max_snapshots!r}")
         self.flat = FlatNet(net)
         self.max_snapshots = max_snapshots
@@ -114,7 +118,9 @@ def minka_log_evidence(
     eps = 1e-15
     v = max(eps, lam[k:].sum() / (d - k))  # eq. (4)
     i = np.arange(1, k + 1)
-    log_pu = -k * math.log(2.0) + np.sum(gammaln((d - i + 1) / 2.0) - math.log(math.pi) * (d - i + 1) / 2.0)
+    log_pu = -k * math.log(2.0) + np.sum(
+        gammaln((d - i + 1) / 2.0) - math.log(math.pi) * (d - i + 1) / 2.0
+    )
     log_pl = -n / 2.0 * np.sum(np.log(lam[:k]))
     log_pv = -n * (d - k) / 2.0 * math.log(v)
     m = d * k - k * (k + 1) / 2.0
@@ -178,7 +184,9 @@ def pca(collector: SWACollector, rank: int | str, seed: int | None = 0) -> Subsp
         spectrum = s.square().numpy(force=True)
         nonzero = int((spectrum > spectrum[0] * 1e-10).sum()) if spectrum[0] > 0 else 0
         if nonzero < 2:
-            raise ValueError(f"collector: the trajectory spans {nonzero} direction(s); need >= 2 for rank='mle'")
+            raise ValueError(
+                f"collector: the trajectory spans {nonzero} direction(s); need >= 2 for rank='mle'"
+            )
         k = minka_dimension(spectrum[:nonzero], n_samples=m, n_features=nonzero)
         basis = (vt[:k].T * s[:k]).to(dev.dtype)
     else:
