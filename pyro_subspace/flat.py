@@ -24,6 +24,11 @@ class FlatNet:
 
     Args:
         net: any ``torch.nn.Module`` whose forward takes one input tensor.
+        batch_strategy: how a batch of weight vectors is evaluated: ``"vmap"``
+            (``torch.func.vmap``, one batched call), ``"loop"`` (one functional call per
+            vector), or ``"auto"``: vmap on accelerators, loop on CPU, where
+            ``benchmarks/vectorised_predictions.py`` measures batched matmuls over draws to be
+            slower than consecutive ones. All give the same numbers.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
@@ -33,9 +38,14 @@ class FlatNet:
         torch.Size([5, 10, 1])
     """
 
-    def __init__(self, net: nn.Module) -> None:
+    def __init__(self, net: nn.Module, batch_strategy: str = "auto") -> None:
         if not isinstance(net, nn.Module):
             raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
+        if batch_strategy not in ("auto", "vmap", "loop"):
+            raise ValueError(
+                f"batch_strategy: expected 'auto', 'vmap' or 'loop', got {batch_strategy!r}"
+            )
+        self.batch_strategy = batch_strategy
         params = list(net.named_parameters())
         if not params:
             raise ValueError("net: the network has no parameters")
@@ -90,7 +100,14 @@ class FlatNet:
         if w.dim() == 1:
             return self._call_one(w, x)
         batch = w.shape[:-1]
-        out = vmap(self._call_one, in_dims=(0, None))(w.reshape(-1, w.shape[-1]), x)
+        flat_w = w.reshape(-1, w.shape[-1])
+        strategy = self.batch_strategy
+        if strategy == "auto":
+            strategy = "loop" if w.device.type == "cpu" else "vmap"
+        if strategy == "vmap":
+            out = vmap(self._call_one, in_dims=(0, None))(flat_w, x)
+        else:
+            out = torch.stack([self._call_one(wi, x) for wi in flat_w])
         return out.reshape(*batch, *out.shape[1:])
 
     def _call_one(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

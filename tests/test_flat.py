@@ -30,9 +30,10 @@ def test_flat_order_and_values_match_the_module():
         assert torch.equal(parts[name], p.detach())
 
 
-def test_batched_weights_equal_a_loop_over_weights():
+@pytest.mark.parametrize("strategy", ["vmap", "loop", "auto"])
+def test_batched_weights_equal_a_loop_over_weights(strategy):
     net = make_bn_net()
-    flat = FlatNet(net)
+    flat = FlatNet(net, batch_strategy=strategy)
     w = flat.vector() + 0.1 * torch.randn(3, 2, flat.num_weights)
     x = torch.randn(7, 4)
     with eval_mode(net):
@@ -65,5 +66,7 @@ def test_load_vector_round_trip_and_errors():
         flat.load_vector(torch.randn(flat.num_weights + 1))
     with pytest.raises(TypeError, match="net"):
         FlatNet("not a module")
+    with pytest.raises(ValueError, match="batch_strategy"):
+        FlatNet(net, batch_strategy="pmap")
     with pytest.raises(ValueError, match="chunk_size"):
         flat.chunked(w, torch.randn(3, 4), chunk_size=0)
