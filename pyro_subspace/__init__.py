@@ -4,19 +4,22 @@ A network's weights are written ``w = ŵ + P t``; Pyro's own inference (NUTS, HM
 Predictive) runs over the few coordinates ``t`` while the rest stays at a point estimate.
 """
 
-from . import convert, datasets, likelihoods, metrics, subspaces
+from . import convert, datasets, infer, likelihoods, metrics, subspaces
 from .flat import FlatNet
+from .infer import EllipticalSliceSampler
 from .nn import SubspaceNet
 from .train import fit_map
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EllipticalSliceSampler",
     "FlatNet",
     "SubspaceNet",
     "convert",
     "datasets",
     "fit_map",
+    "infer",
     "likelihoods",
     "metrics",
     "subspaces",

@@ -10,14 +10,14 @@ TINY = ["--epochs", "30", "--swa-epochs", "12", "--samples", "12", "--warmup", "
 def test_default_run_writes_table_json_and_png(tmp_path, capsys):
     results = cli.execute(TINY + ["--out", str(tmp_path)])
     printed = capsys.readouterr().out
-    assert "MAP (SWA)" in printed and "PCA+NUTS" in printed
+    assert "MAP (SWA)" in printed and "PCA+ESS" in printed
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["rows"] == results["rows"]
     # temperature "auto" is N/K: 400 toy points, K = 10
     assert results["rank"] == 10 and results["temperature"] == pytest.approx(40.0)
     for row in results["rows"].values():
         assert 0.0 <= row["coverage95"] <= 1.0 and row["rmse"] > 0
-    png = (tmp_path / "toy_pca_nuts.png").read_bytes()
+    png = (tmp_path / "toy_pca_ess.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -62,3 +62,8 @@ def test_bad_arguments_exit_with_a_message(argv, match):
 
 def test_console_entry_point_returns_exit_status_zero(tmp_path):
     assert cli.main(TINY + ["--out", str(tmp_path)]) == 0
+
+
+def test_nuts_inference_option(tmp_path):
+    results = cli.execute(TINY + ["--inference", "nuts", "--rank", "2", "--out", str(tmp_path)])
+    assert set(results["rows"]) == {"MAP (SWA)", "PCA+NUTS"}
