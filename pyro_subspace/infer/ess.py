@@ -103,6 +103,7 @@ class EllipticalSliceSampler(MCMCKernel):
         self._priors = gaussian_priors(model, args, kwargs)
         if not self._priors:
             raise TypeError("model: has no latent sample sites to sample")
+        self._means = {s.name: s.mean for s in self._priors}
         self._loglik_fn = self._subspace_loglik() if is_subspace else None
         if self._loglik_fn is None:
             with torch.no_grad():
@@ -140,10 +141,11 @@ class EllipticalSliceSampler(MCMCKernel):
         """One elliptical slice transition from ``params`` (Murray et al. 2010, Fig. 2)."""
         if self._loglik is None:
             raise RuntimeError("sample: call setup() first (the MCMC driver does)")
+        mu = self._means
         nu = {s.name: s.centred_draw() for s in self._priors}
-        mu = {s.name: s.mean for s in self._priors}
-        log_y = self._loglik + math.log(torch.rand(()).item() or 1e-300)
-        phi = 2 * math.pi * torch.rand(()).item()
+        u, phi = torch.rand(2).tolist()
+        log_y = self._loglik + math.log(u or 1e-300)
+        phi *= 2 * math.pi
         lo, hi = phi - 2 * math.pi, phi
         for _ in range(self.max_shrinks):
             c, s = math.cos(phi), math.sin(phi)

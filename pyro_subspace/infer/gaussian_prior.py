@@ -21,19 +21,27 @@ from pyro.poutine.subsample_messenger import _Subsample
 
 @dataclass
 class GaussianSite:
-    """One latent site's prior: mean and a sampler of zero-mean prior draws (shape ``shape``)."""
+    """One latent site's prior: its mean and zero-mean prior draws, both of shape ``shape``."""
 
     name: str
     fn: Any  # the site's distribution, as traced
     shape: torch.Size
 
-    @property
-    def mean(self) -> torch.Tensor:
-        return self.fn.mean.expand(self.shape)
+    def __post_init__(self) -> None:
+        base = _base_gaussian(self.fn)
+        self.mean = self.fn.mean.expand(self.shape)
+        if isinstance(base, MultivariateNormal):
+            self._tril = base.scale_tril.expand(*self.shape, self.shape[-1])
+            self._std = None
+        else:
+            self._std = base.scale.expand(self.shape)
 
     def centred_draw(self) -> torch.Tensor:
-        """``ν ~ N(0, Σ)``: a prior draw minus the prior mean."""
-        return self.fn.sample() - self.mean
+        """``ν ~ N(0, Σ)``: a prior draw minus the prior mean (no distribution object per draw)."""
+        eps = torch.randn(self.shape, dtype=self.mean.dtype, device=self.mean.device)
+        if self._std is not None:
+            return self._std * eps
+        return (self._tril @ eps.unsqueeze(-1)).squeeze(-1)
 
 
 def is_latent(name: str, site: dict) -> bool:

@@ -1,0 +1,209 @@
+"""Elliptical slice sampling vs Pyro's NUTS on the same SubspaceNet, and the sampler's overhead.
+
+For the toy regression (Subspace Inference 3.1) and diabetes, a MAP/SWA net and PCA subspaces
+of rank 2, 5 and 10, temperature 1 (with T = N/K the likelihood is so flat that ESS accepts
+nearly every first proposal); ESS and NUTS draw the same number of samples in 2 chains. Per run:
+wall time, bulk effective sample size (ArviZ, minimum over coordinates), effective samples per
+second, max R-hat, likelihood evaluations per draw (NUTS: model evaluations with gradient) and
+the ratio ESS/NUTS of effective samples per second. Overhead of the sampler itself:
+time per draw / (evaluations per draw × time of one full-data likelihood evaluation), for the
+kernel's ``sample`` alone and, in brackets, for a step of Pyro's ``MCMC`` driver.
+Finally the peak memory of one likelihood evaluation on N = 200,000 points, chunked vs not,
+each measured in a fresh process (``ru_maxrss`` increase).
+
+    python benchmarks/ess_vs_nuts.py [--draws 400] [--warmup 200] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import resource
+import subprocess
+import sys
+import time
+
+import arviz as az
+import pyro
+import torch
+from pyro.infer import MCMC, NUTS
+from torch import nn
+
+from pyro_subspace import (
+    EllipticalSliceSampler,
+    SubspaceNet,
+    datasets,
+    fit_map,
+    likelihoods,
+    subspaces,
+)
+
+
+def toy_net(d_in: int) -> nn.Module:
+    sizes = [d_in, 200, 50, 50, 50]
+    layers: list[nn.Module] = []
+    for a, b in itertools.pairwise(sizes):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(50, 1))
+
+
+def small_net(d_in: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(d_in, 50), nn.ReLU(), nn.Linear(50, 1))
+
+
+def trained(name: str, quick: bool):
+    data = datasets.load(name, seed=0)
+    torch.manual_seed(0)
+    net = toy_net(data.n_features) if name == "toy" else small_net(data.n_features)
+    lik = likelihoods.Gaussian()
+    col = subspaces.SWACollector(net, max_snapshots=20)
+    epochs = 300 if quick else 2000
+    fit_map(
+        net,
+        lik,
+        data.x_train,
+        data.y_train,
+        epochs=epochs,
+        lr=1e-3,
+        weight_decay=1e-4,
+        seed=0,
+        progress=False,
+    )
+    fit_map(
+        net,
+        lik,
+        data.x_train,
+        data.y_train,
+        epochs=0,
+        collector=col,
+        swa_epochs=40,
+        swa_lr=3e-4,
+        batch_size=50,
+        weight_decay=1e-4,
+        seed=0,
+        progress=False,
+    )
+    return data, net, lik, col
+
+
+class CallCounter:
+    """Counts forward calls of a module (NUTS: one per gradient evaluation)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.calls = 0
+        self.handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_):
+        self.calls += 1
+
+
+def run_sampler(kind: str, model: SubspaceNet, x, y, draws: int, warmup: int):
+    pyro.set_rng_seed(0)
+    kernel = EllipticalSliceSampler(model) if kind == "ESS" else NUTS(model)
+    counter = CallCounter(model)
+    mcmc = MCMC(kernel, num_samples=draws, warmup_steps=warmup, num_chains=2, disable_progbar=True)
+    start = time.perf_counter()
+    mcmc.run(x, y)
+    seconds = time.perf_counter() - start
+    counter.handle.remove()
+    steps = 2 * (draws + warmup)
+    if kind == "ESS":
+        evals = sum(mcmc.diagnostics()["evaluations per draw"].values()) / 2
+    else:  # minus the driver's set-up traces
+        evals = max(counter.calls - 4, 0) / steps
+    posterior = az.from_dict(posterior={"t": mcmc.get_samples(group_by_chain=True)["t"].numpy()})
+    ess = float(az.ess(posterior, method="bulk")["t"].min())
+    rhat = float(az.rhat(posterior)["t"].max())
+    return seconds, ess, rhat, evals, seconds / steps
+
+
+def overheads(model: SubspaceNet, x, y, per_step_driver: float, repeats: int = 300):
+    """Sampler overhead: seconds per draw / (evaluations per draw × one full-data evaluation).
+
+    ``kernel`` times ``EllipticalSliceSampler.sample`` alone; ``driver`` uses the wall time per
+    step inside ``MCMC.run`` (Pyro's driver adds logging and bookkeeping per step).
+    """
+    pyro.set_rng_seed(1)
+    kernel = EllipticalSliceSampler(model)
+    kernel.setup(0, x, y)
+    t = {"t": torch.zeros(model.rank)}
+    kernel.log_likelihood(t)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        kernel.log_likelihood(t)
+    fwd = (time.perf_counter() - start) / repeats
+    params = kernel.initial_params
+    kernel._evals = kernel._t = 0
+    start = time.perf_counter()
+    for _ in range(repeats):
+        params = kernel.sample(params)
+    per_draw = (time.perf_counter() - start) / repeats
+    evals = kernel.evaluations_per_draw
+    return per_draw / (evals * fwd), per_step_driver / (evals * fwd)
+
+
+def memory_child(chunk: int) -> None:
+    """Print the peak-RSS increase (MB) of one likelihood evaluation on 200k points."""
+    torch.manual_seed(0)
+    net = toy_net(2)
+    model = SubspaceNet(net, subspaces.random(net, 10, seed=0), likelihoods.Gaussian(0.1))
+    x, y = torch.randn(200_000, 2), torch.randn(200_000)
+    kernel = EllipticalSliceSampler(model, chunk_size=chunk)
+    kernel.setup(0, x[:10], y[:10])  # cheap set-up, then the full data through the same path
+    kernel._args = (x, y)
+    loglik = kernel._subspace_loglik()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    loglik(torch.zeros(10))
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print((after - before) / 1024)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draws", type=int, default=400)
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--quick", action="store_true", help="short training, few draws")
+    parser.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_child is not None:
+        memory_child(args.memory_child)
+        return
+    if args.quick:
+        args.draws, args.warmup = 60, 30
+    header = (
+        f"{'data':<9}{'K':>3} {'sampler':<8}{'wall s':>8}{'bulk ESS':>10}{'ESS/s':>9}"
+        f"{'R-hat':>7}{'evals/draw':>11}{'ESS/s ratio':>12}{'overhead':>10}{'(driver)':>9}"
+    )
+    print(f"{args.draws} draws + {args.warmup} warm-up per chain, 2 chains, CPU")
+    print(header)
+    for name in ("toy", "diabetes"):
+        data, net, lik, col = trained(name, args.quick)
+        for rank in (2, 5, 10):
+            model = SubspaceNet(net, subspaces.pca(col, rank), lik, temperature=1.0)
+            rows = {
+                kind: run_sampler(kind, model, data.x_train, data.y_train, args.draws, args.warmup)
+                for kind in ("ESS", "NUTS")
+            }
+            kernel_oh, driver_oh = overheads(model, data.x_train, data.y_train, rows["ESS"][4])
+            ratio = (rows["ESS"][1] / rows["ESS"][0]) / (rows["NUTS"][1] / rows["NUTS"][0])
+            for kind, (secs, ess, rhat, evals, _) in rows.items():
+                overhead = f"{kernel_oh:>10.2f}{driver_oh:>9.2f}" if kind == "ESS" else ""
+                last = f"{ratio:>12.1f}" if kind == "ESS" else f"{'':>12}"
+                print(
+                    f"{name:<9}{rank:>3} {kind:<8}{secs:>8.1f}{ess:>10.0f}{ess / secs:>9.1f}"
+                    f"{rhat:>7.3f}{evals:>11.1f}{last}{overhead}"
+                )
+    print("\npeak memory of one likelihood evaluation, N = 200,000, toy net (MB above baseline)")
+    for chunk in (4096, 200_000):
+        out = subprocess.run(
+            [sys.executable, __file__, "--memory-child", str(chunk)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        label = f"chunk_size={chunk}" + (" (unchunked)" if chunk == 200_000 else "")
+        print(f"  {label:<32}{float(out):>8.1f} MB")
+
+
+if __name__ == "__main__":
+    main()
