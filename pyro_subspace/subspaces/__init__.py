@@ -3,10 +3,22 @@
 - `Subspace`: the shift ``ŵ`` (D,) and a dense (D, K) or index-selection basis ``P``.
 - `random`: random unit directions (Subspace Inference C.1).
 - `SWACollector` + `pca`: PCA of the SGD trajectory, optionally with Minka's dimension (C.2, D).
+- `fit_curve` + `curve`: a Bezier curve between two solutions and its 2-D plane (C.3).
 """
 
 from .base import Subspace
+from .curve import curve, curve_losses, fit_curve
 from .pca import SWACollector, minka_dimension, minka_log_evidence, pca
 from .random import random
 
-__all__ = ["SWACollector", "Subspace", "minka_dimension", "minka_log_evidence", "pca", "random"]
+__all__ = [
+    "SWACollector",
+    "Subspace",
+    "curve",
+    "curve_losses",
+    "fit_curve",
+    "minka_dimension",
+    "minka_log_evidence",
+    "pca",
+    "random",
+]

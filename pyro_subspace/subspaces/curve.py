@@ -1,0 +1,210 @@
+"""Curve subspaces (Subspace Inference appendix C.3; Garipov et al., 2018).
+
+Two independently trained solutions ``w0`` and ``w1`` are joined by a quadratic Bezier curve
+
+    φ(s) = (1 − s)² w0 + 2 s (1 − s) θ + s² w1,     s ∈ [0, 1],
+
+whose control point ``θ`` is trained by minimising the expected training loss over
+``s ~ U[0, 1]`` (`fit_curve`). The curve lies in the 2-D affine plane through ``w0, θ, w1``;
+`curve` returns that plane as a `Subspace` with the paper's prior ``N(μ, σ² I)``,
+``μ = (w0 + φ(½) + w1)/3``, ``σ = ‖μ − w0‖``, written as ``w = μ + σ Q t`` with ``Q``
+orthonormal so that `SubspaceNet`'s standard prior ``t ~ N(0, I_2)`` is exactly that prior.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..flat import FlatNet
+from ..likelihoods import Likelihood
+from .base import Subspace
+
+
+def bezier(
+    w0: torch.Tensor, theta: torch.Tensor, w1: torch.Tensor, s: torch.Tensor
+) -> torch.Tensor:
+    """Points ``φ(s)`` of the quadratic Bezier curve, shape ``(*s.shape, D)`` (``s`` in [0, 1])."""
+    s = s[..., None]
+    return (1 - s) ** 2 * w0 + 2 * s * (1 - s) * theta + s**2 * w1
+
+
+def _check_points(w0: torch.Tensor, theta: torch.Tensor, w1: torch.Tensor) -> None:
+    for name, w in (("w0", w0), ("theta", theta), ("w1", w1)):
+        if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 1:
+            raise ValueError(f"{name}: expected a floating-point tensor of shape (D,)")
+        if w.shape != w0.shape:
+            raise ValueError(f"{name}: shape {tuple(w.shape)} differs from w0's {tuple(w0.shape)}")
+        if not torch.isfinite(w).all():
+            raise ValueError(f"{name}: contains NaN or inf")
+
+
+def curve(w0: torch.Tensor, theta: torch.Tensor, w1: torch.Tensor) -> Subspace:
+    """The 2-D curve subspace with the prior of paper C.3 folded into shift and basis.
+
+    Args:
+        w0, w1: the two end points (trained solutions), shape ``(D,)``.
+        theta: the trained control point, shape ``(D,)``.
+
+    Returns:
+        A dense `Subspace` with shift ``μ = (w0 + φ(½) + w1)/3`` and basis ``σ Q`` (``D × 2``),
+        ``Q`` an orthonormal basis of span{w1 − w0, θ − w0} and ``σ = ‖μ − w0‖``: under
+        ``t ~ N(0, I_2)`` the weights are ``N(μ, σ² I)`` on the plane through w0, θ, w1.
+    """
+    _check_points(w0, theta, w1)
+    directions = torch.stack([w1 - w0, theta - w0], dim=1).double()  # shape: (D, 2)
+    q, r = torch.linalg.qr(directions)
+    tol = 100 * torch.finfo(w0.dtype).eps * r.diagonal().abs().max()
+    if r.diagonal().abs().min() <= tol:
+        raise ValueError("theta: w0, theta and w1 are collinear; the curve spans no plane")
+    mid = bezier(w0, theta, w1, torch.tensor(0.5, dtype=w0.dtype))
+    mu = (w0 + mid + w1) / 3
+    sigma = (mu - w0).norm()
+    return Subspace(mu, (q * sigma).to(w0.dtype))
+
+
+@contextlib.contextmanager
+def _kept_buffers(net: nn.Module) -> Iterator[None]:
+    """Restore the network's buffers (BatchNorm statistics) and modes after the block."""
+    saved = [(b, b.detach().clone()) for b in net.buffers()]
+    modes = [(m, m.training) for m in net.modules()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+        for m, training in modes:
+            m.training = training
+
+
+def curve_losses(
+    net: nn.Module,
+    likelihood: Likelihood,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    w0: torch.Tensor,
+    theta: torch.Tensor,
+    w1: torch.Tensor,
+    num_points: int = 21,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean training loss ``−mean_n log p(y_n | f(x_n; w))`` along the curve and the line.
+
+    At each evaluated point the BatchNorm statistics are recomputed from ``x`` (a train-mode
+    pass) before the loss is taken in eval mode; the network's own buffers are restored.
+
+    Returns:
+        ``(s, curve_loss, line_loss)``, each of shape ``(num_points,)``; the line is
+        ``(1 − s) w0 + s w1``.
+    """
+    _check_points(w0, theta, w1)
+    flat = FlatNet(net, batch_strategy="loop")
+    s = torch.linspace(0, 1, num_points, dtype=w0.dtype)
+    curve_w = bezier(w0, theta, w1, s)
+    line_w = (1 - s)[:, None] * w0 + s[:, None] * w1
+
+    def loss(w: torch.Tensor) -> float:
+        net.train()
+        flat(w, x)  # refresh BatchNorm running statistics at w (no-op without BatchNorm)
+        net.eval()
+        out = flat(w, x)
+        out = out.unsqueeze(-1) if out.dim() == 1 else out
+        return -likelihood.log_prob(out, y).mean().item()
+
+    bn = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    momenta = [m.momentum for m in bn]
+    with torch.no_grad(), _kept_buffers(net):
+        for m in bn:
+            m.momentum = None  # cumulative average: one full-batch pass sets the statistics
+        try:
+            results = []
+            for ws in (curve_w, line_w):
+                values = []
+                for w in ws:
+                    for m in bn:
+                        m.reset_running_stats()
+                    values.append(loss(w))
+                results.append(torch.tensor(values))
+        finally:
+            for m, momentum in zip(bn, momenta, strict=True):
+                m.momentum = momentum
+    return s, results[0], results[1]
+
+
+def fit_curve(
+    net: nn.Module,
+    likelihood: Likelihood,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    w0: torch.Tensor,
+    w1: torch.Tensor,
+    *,
+    epochs: int = 200,
+    lr: float = 1e-2,
+    batch_size: int | None = None,
+    weight_decay: float = 0.0,
+    seed: int | None = None,
+    progress: bool = True,
+) -> torch.Tensor:
+    """Train the Bezier control point ``θ`` between ``w0`` and ``w1`` (Garipov et al., 2018).
+
+    Minimises ``E_{s ~ U[0,1]} [−mean_n log p(y_n | f(x_n; φ(s)))] + (λ/2)‖θ‖²`` with Adam, one
+    ``s`` per minibatch, starting from the midpoint ``(w0 + w1)/2``. In networks with BatchNorm
+    the training passes use batch statistics; the network's own buffers and modes are restored.
+
+    Args:
+        net: the architecture of ``w0`` and ``w1``; its parameters are not changed.
+        likelihood: the `Likelihood` whose `log_prob` is the loss.
+        x, y: training data ``(N, ...)`` and ``(N,)``.
+        w0, w1: the end points, shape ``(D,)`` in ``parameters_to_vector`` order.
+        epochs, lr, batch_size, weight_decay, seed, progress: training settings.
+
+    Returns:
+        ``θ``, shape ``(D,)``; the curve passes through ``w0`` (s = 0) and ``w1`` (s = 1) exactly.
+    """
+    flat = FlatNet(net, batch_strategy="loop")
+    if w0.shape != (flat.num_weights,):
+        raise ValueError(
+            f"w0: expected shape ({flat.num_weights},) for this network, got {tuple(w0.shape)}"
+        )
+    _check_points(w0, (w0 + w1) / 2, w1)
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs: expected a positive int, got {epochs!r}")
+    if not isinstance(lr, (int, float)) or lr <= 0:
+        raise ValueError(f"lr: expected a positive number, got {lr!r}")
+    n = x.shape[0]
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size: expected a positive int or None, got {batch_size!r}")
+    with torch.no_grad():
+        probe = flat(w0, x[:1])
+    probe = probe.unsqueeze(-1) if probe.dim() == 1 else probe
+    y = likelihood.validate(probe.new_zeros(n, *probe.shape[1:]), y)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
+    if seed is None:
+        gen.seed()
+    w0, w1 = w0.detach(), w1.detach()
+    theta = ((w0 + w1) / 2).clone().requires_grad_(True)
+    opt = torch.optim.Adam([theta], lr=lr, weight_decay=weight_decay)
+    bs = n if batch_size is None else min(batch_size, n)
+    with _kept_buffers(net):
+        net.train()
+        for _ in tqdm(
+            range(epochs), desc="fit_curve", disable=not progress, leave=False, mininterval=0.5
+        ):
+            order = torch.randperm(n, generator=gen).to(x.device)
+            for start in range(0, n, bs):
+                idx = order[start : start + bs]
+                s = torch.rand((), generator=gen, dtype=w0.dtype)
+                out = flat(bezier(w0, theta, w1, s), x[idx])
+                out = out.unsqueeze(-1) if out.dim() == 1 else out
+                loss = -likelihood.log_prob(out, y[idx]).mean()
+                if not torch.isfinite(loss):
+                    raise FloatingPointError("fit_curve: the loss became non-finite; lower lr")
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    return theta.detach()

@@ -1,0 +1,81 @@
+import pytest
+import torch
+from torch import nn
+
+from pyro_subspace import fit_map, likelihoods, subspaces
+from pyro_subspace.subspaces.curve import bezier, curve_losses
+
+
+def permuted(net: nn.Sequential, perm: torch.Tensor) -> torch.Tensor:
+    """The same function with hidden units permuted: a second, distinct minimum."""
+    w = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    w["0.weight"], w["0.bias"], w["2.weight"] = (
+        w["0.weight"][perm],
+        w["0.bias"][perm],
+        w["2.weight"][:, perm],
+    )
+    return torch.cat([w[k].reshape(-1) for k in ("0.weight", "0.bias", "2.weight", "2.bias")])
+
+
+@pytest.fixture(scope="module")
+def two_solutions():
+    torch.manual_seed(0)
+    x = torch.linspace(-2, 2, 80)[:, None]
+    y = torch.sin(2 * x[:, 0]) + 0.5 * x[:, 0]
+    net = nn.Sequential(nn.Linear(1, 6), nn.Tanh(), nn.Linear(6, 1))
+    lik = likelihoods.Gaussian(0.1)
+    fit_map(net, lik, x, y, epochs=1500, lr=0.02, progress=False, seed=0)
+    w0 = nn.utils.parameters_to_vector(net.parameters()).detach()
+    w1 = permuted(net, torch.tensor([5, 4, 3, 2, 1, 0]))
+    return net, lik, x, y, w0, w1
+
+
+def test_trained_curve_beats_the_straight_line_and_passes_through_the_ends(two_solutions):
+    net, lik, x, y, w0, w1 = two_solutions
+    before = nn.utils.parameters_to_vector(net.parameters()).detach().clone()
+    theta = subspaces.fit_curve(net, lik, x, y, w0, w1, epochs=600, lr=0.02, seed=0, progress=False)
+    assert torch.equal(nn.utils.parameters_to_vector(net.parameters()), before)  # net untouched
+    ends = bezier(w0, theta, w1, torch.tensor([0.0, 1.0]))
+    assert torch.equal(ends[0], w0) and torch.equal(ends[1], w1)
+    s, on_curve, on_line = curve_losses(net, lik, x, y, w0, theta, w1, num_points=11)
+    assert on_curve[0] == pytest.approx(on_line[0]) and on_curve[-1] == pytest.approx(on_line[-1])
+    # the permuted solutions are equally good, the straight line between them is not
+    assert on_line[0] == pytest.approx(on_line[-1], rel=1e-4)
+    assert on_line[5] > on_line[0] + 5.0
+    assert on_curve.max() < on_line[5] - 0.8 * (on_line[5] - on_line[0])
+
+
+def test_curve_subspace_contains_the_three_points_with_the_paper_prior():
+    gen = torch.Generator().manual_seed(0)
+    w0, theta, w1 = (torch.randn(50, generator=gen, dtype=torch.float64) for _ in range(3))
+    sub = subspaces.curve(w0, theta, w1)
+    assert sub.rank == 2
+    for w in (w0, theta, w1, bezier(w0, theta, w1, torch.tensor(0.3, dtype=torch.float64))):
+        assert (sub.weights(sub.project(w)) - w).abs().max() < 1e-10
+    mid = 0.25 * w0 + 0.5 * theta + 0.25 * w1
+    mu = (w0 + mid + w1) / 3
+    sigma = (mu - w0).norm()
+    assert torch.allclose(sub.shift, mu)
+    # t ~ N(0, I) ⇒ w ~ N(μ, σ² I) on the plane: the basis is σ times an orthonormal pair
+    assert torch.allclose(sub.basis.T @ sub.basis, sigma**2 * torch.eye(2, dtype=torch.float64))
+
+
+def test_curve_inputs_are_checked():
+    w = torch.randn(5)
+    with pytest.raises(ValueError, match="collinear"):
+        subspaces.curve(w, 2 * w, 3 * w)
+    with pytest.raises(ValueError, match="theta: shape"):
+        subspaces.curve(w, torch.randn(4), w + 1)
+    with pytest.raises(ValueError, match="w1: contains NaN"):
+        subspaces.curve(w, torch.randn(5), torch.full((5,), float("nan")))
+    net = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match=r"w0: expected shape \(3,\)"):
+        subspaces.fit_curve(
+            net,
+            likelihoods.Gaussian(1.0),
+            torch.randn(4, 2),
+            torch.randn(4),
+            torch.zeros(5),
+            torch.zeros(5),
+            progress=False,
+        )
