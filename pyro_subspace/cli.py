@@ -138,18 +138,6 @@ def posterior_draws(model: SubspaceNet, args: argparse.Namespace, x, y) -> torch
     return draws.reshape(-1, model.rank)
 
 
-def regression_scores(mean: torch.Tensor, var: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-    """Test NLL (Bayesian model average), RMSE and 95% coverage from draws ``(S, N)``."""
-    mu, v = metrics.moment_match(mean, var)
-    lower, upper = metrics.gaussian_interval(mu, v.sqrt(), 0.95)
-    return {
-        "nll": metrics.mixture_gaussian_nll(mean, var, y),
-        "nll_moment_matched": metrics.moment_matched_gaussian_nll(mean, var, y),
-        "rmse": metrics.rmse(mu, y),
-        "coverage95": metrics.interval_coverage(y, lower, upper),
-    }
-
-
 def run(args: argparse.Namespace) -> dict:
     """The default job; returns the results table as a dict and writes ``out/``."""
     torch.manual_seed(args.seed)
@@ -211,8 +199,8 @@ def run(args: argparse.Namespace) -> dict:
         map_out = model.outputs(torch.zeros(1, sub.rank), data.x_test)[..., 0]  # ŵ: the SWA mean
         post_out = model.outputs(t, data.x_test)[..., 0]
     rows = {
-        "MAP (SWA)": regression_scores(map_out, sigma2.expand_as(map_out), data.y_test),
-        f"{args.subspace.upper()}+{args.inference.upper()}": regression_scores(
+        "MAP (SWA)": metrics.regression_scores(map_out, sigma2.expand_as(map_out), data.y_test),
+        f"{args.subspace.upper()}+{args.inference.upper()}": metrics.regression_scores(
             post_out, sigma2.expand_as(post_out), data.y_test
         ),
     }

@@ -490,3 +490,20 @@ def test_binning_and_ood_validation():
         metrics.ood_auroc(PROBS * 2, PROBS)
     with pytest.raises(ValueError, match=r"^probs: expected probabilities"):
         metrics.mmc(-PROBS)
+
+
+def test_regression_scores_agree_with_the_single_metrics_and_a_numpy_computation():
+    gen = torch.Generator().manual_seed(0)
+    means = torch.randn(30, 50, generator=gen, dtype=torch.float64)
+    variances = 0.5 + torch.rand(30, 50, generator=gen, dtype=torch.float64)
+    y = torch.randn(50, generator=gen, dtype=torch.float64)
+    scores = metrics.regression_scores(means, variances, y)
+    m, v, t = means.numpy(), variances.numpy(), y.numpy()
+    mu = m.mean(0)
+    var = (v + m**2).mean(0) - mu**2
+    assert scores["rmse"] == pytest.approx(np.sqrt(((mu - t) ** 2).mean()))
+    nll_mm = 0.5 * np.log(2 * np.pi * var) + 0.5 * (t - mu) ** 2 / var
+    assert scores["nll_moment_matched"] == pytest.approx(nll_mm.mean())
+    half = 1.959963984540054 * np.sqrt(var)
+    assert scores["coverage95"] == pytest.approx(np.mean(np.abs(t - mu) <= half))
+    assert scores["nll"] == pytest.approx(metrics.mixture_gaussian_nll(means, variances, y))

@@ -87,6 +87,33 @@ class SWACollector:
         self._require("deviations")
         return torch.stack(list(self._deviations))
 
+    def sample(
+        self, num_samples: int, scale: float = 0.5, low_rank: bool = True, seed: int | None = None
+    ) -> torch.Tensor:
+        """Weight draws from SWAG (Maddox et al., 2019), shape ``(num_samples, D)``.
+
+        ``w = w̄ + sqrt(scale) · (Σ_diag^{1/2} z₁ + D̂ᵀ z₂ / sqrt(M − 1)) / sqrt(2)`` with
+        ``z₁ ~ N(0, I_D)``, ``z₂ ~ N(0, I_M)`` and ``D̂`` the stored deviations (``M × D``);
+        ``low_rank=False`` gives SWAG-diagonal, ``w̄ + sqrt(scale) Σ_diag^{1/2} z₁``.
+        """
+        self._require("sample")
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples: expected a positive int, got {num_samples!r}")
+        if not isinstance(scale, (int, float)) or scale <= 0:
+            raise ValueError(f"scale: expected a positive number, got {scale!r}")
+        m = self.num_snapshots
+        if low_rank and m < 2:
+            raise ValueError(f"low_rank: needs at least 2 snapshots, {m} collected")
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(seed) if seed is not None else gen.seed()
+        mean, var = self._mean, self.variance
+        z1 = torch.randn(num_samples, mean.numel(), generator=gen, dtype=mean.dtype).to(mean.device)
+        draw = var.sqrt() * z1
+        if low_rank:
+            z2 = torch.randn(num_samples, m, generator=gen, dtype=mean.dtype).to(mean.device)
+            draw = (draw + z2 @ self.deviations / math.sqrt(m - 1)) / math.sqrt(2)
+        return mean + math.sqrt(scale) * draw
+
     @property
     def num_snapshots(self) -> int:
         """``M``, the number of deviations currently stored."""
