@@ -206,3 +206,23 @@ def test_swag_samples_have_the_swag_covariance():
     assert torch.allclose(diag.var(0), 0.5 * col.variance.double(), rtol=0.1, atol=1e-8)
     with pytest.raises(ValueError, match="num_samples"):
         col.sample(0)
+
+
+def test_frequent_directions_collector_spans_planted_directions_of_a_long_trajectory():
+    net = small_net()
+    col = SWACollector(net, method="frequent_directions", rank=6)
+    d = col.flat.num_weights
+    q, _ = torch.linalg.qr(torch.randn(d, 3, dtype=torch.float64))
+    run_trajectory(
+        net, col, q * torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64), 200, noise=1e-3
+    )
+    assert col.n_collected == 200 and col.num_snapshots == 6 and col.deviations.shape == (6, d)
+    sub = subspaces.pca(col, rank=3)
+    basis, _ = torch.linalg.qr(sub.basis.double())
+    assert (q - basis @ (basis.T @ q)).norm() < 1e-2
+    with pytest.raises(ValueError, match="rank: 7 is larger"):
+        subspaces.pca(col, rank=7)
+    with pytest.raises(ValueError, match="rank: frequent directions needs"):
+        SWACollector(net, method="frequent_directions")
+    with pytest.raises(ValueError, match="method"):
+        SWACollector(net, method="online")

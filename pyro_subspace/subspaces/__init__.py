@@ -8,10 +8,12 @@
 
 from .base import Subspace
 from .curve import curve, curve_losses, fit_curve
+from .frequent_directions import FrequentDirections
 from .pca import SWACollector, minka_dimension, minka_log_evidence, pca
 from .random import random
 
 __all__ = [
+    "FrequentDirections",
     "SWACollector",
     "Subspace",
     "curve",

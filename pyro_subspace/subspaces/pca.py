@@ -20,6 +20,7 @@ from torch import nn
 
 from ..flat import FlatNet
 from .base import Subspace
+from .frequent_directions import FrequentDirections
 
 
 class SWACollector:
@@ -31,24 +32,42 @@ class SWACollector:
         net: the network being trained; its parameters are read, never written.
         max_snapshots: ``M``, how many of the most recent deviations ``w_i − w̄`` to keep
             (the paper uses 20). Memory is ``M·D`` numbers.
+        method: ``"last"`` keeps the last ``M`` deviations (Algorithm 2);
+            ``"frequent_directions"`` keeps an ``ℓ``-row frequent-directions sketch of *all*
+            deviations (Ghashami et al., 2016; paper C.2), so the trajectory can be arbitrarily
+            long in ``ℓ·D`` memory, with ``‖AᵀA − BᵀB‖₂ ≤ ‖A‖_F²/ℓ``.
+        rank: ``ℓ`` for ``method="frequent_directions"`` (required there, unused otherwise).
 
     Attributes:
         n_collected: number of snapshots averaged into `mean`.
     """
 
-    def __init__(self, net: nn.Module, max_snapshots: int = 20) -> None:
+    def __init__(
+        self, net: nn.Module, max_snapshots: int = 20, method: str = "last", rank: int | None = None
+    ) -> None:
         if (
             isinstance(max_snapshots, bool)
             or not isinstance(max_snapshots, int)
             or max_snapshots < 2
         ):
             raise ValueError(f"max_snapshots: expected an int >= 2, got {max_snapshots!r}")
+        if method not in ("last", "frequent_directions"):
+            raise ValueError(f"method: expected 'last' or 'frequent_directions', got {method!r}")
         self.flat = FlatNet(net)
+        self.method = method
         self.max_snapshots = max_snapshots
         self.n_collected = 0
         self._mean: torch.Tensor | None = None
         self._sq_mean: torch.Tensor | None = None
         self._deviations: deque[torch.Tensor] = deque(maxlen=max_snapshots)
+        self._sketch: FrequentDirections | None = None
+        if method == "frequent_directions":
+            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+                raise ValueError(
+                    f"rank: frequent directions needs the sketch size ℓ >= 1, got {rank!r}"
+                )
+            w = self.flat.vector()
+            self._sketch = FrequentDirections(w.numel(), rank, dtype=w.dtype, device=w.device)
 
     def collect(self) -> None:
         """Add the network's current weights ``w_i``: update the running mean and second moment,
@@ -63,7 +82,10 @@ class SWACollector:
             self._mean.mul_(n / (n + 1)).add_(w, alpha=1 / (n + 1))
             self._sq_mean.mul_(n / (n + 1)).add_(w.square(), alpha=1 / (n + 1))
         self.n_collected = n + 1
-        self._deviations.append(w - self._mean)
+        if self._sketch is not None:
+            self._sketch.append(w - self._mean)
+        else:
+            self._deviations.append(w - self._mean)
 
     def _require(self, what: str) -> None:
         if self.n_collected == 0:
@@ -83,9 +105,23 @@ class SWACollector:
 
     @property
     def deviations(self) -> torch.Tensor:
-        """The stored deviations ``w_i − w̄`` as rows, shape ``(M, D)`` with ``M <= max_snapshots``."""
+        """The stored deviations ``w_i − w̄`` as rows, shape ``(M, D)`` with ``M <= max_snapshots``
+        (``method="last"``), or the frequent-directions sketch of all of them (``M <= ℓ``)."""
         self._require("deviations")
+        if self._sketch is not None:
+            return self._sketch.sketch[: self.num_snapshots]
         return torch.stack(list(self._deviations))
+
+    def covariance_factor(self) -> torch.Tensor:
+        """Rows ``A`` with ``AᵀA`` ≈ the trajectory covariance, shape ``(M, D)``.
+
+        ``D̂/sqrt(M − 1)`` for the last ``M`` deviations; ``B/sqrt(n − 1)`` for a sketch ``B`` of
+        all ``n`` deviations.
+        """
+        count = self.n_collected if self._sketch is not None else self.num_snapshots
+        if count < 2:
+            raise ValueError(f"collector: needs at least 2 snapshots, {count} collected")
+        return self.deviations / math.sqrt(count - 1)
 
     def sample(
         self, num_samples: int, scale: float = 0.5, low_rank: bool = True, seed: int | None = None
@@ -111,12 +147,14 @@ class SWACollector:
         draw = var.sqrt() * z1
         if low_rank:
             z2 = torch.randn(num_samples, m, generator=gen, dtype=mean.dtype).to(mean.device)
-            draw = (draw + z2 @ self.deviations / math.sqrt(m - 1)) / math.sqrt(2)
+            draw = (draw + z2 @ self.covariance_factor()) / math.sqrt(2)
         return mean + math.sqrt(scale) * draw
 
     @property
     def num_snapshots(self) -> int:
-        """``M``, the number of deviations currently stored."""
+        """``M``, the number of deviation rows currently stored (at most ``ℓ`` for a sketch)."""
+        if self._sketch is not None:
+            return min(self.n_collected, self._sketch.ell)
         return len(self._deviations)
 
 
@@ -205,7 +243,8 @@ def pca(collector: SWACollector, rank: int | str, seed: int | None = 0) -> Subsp
     m = collector.num_snapshots
     if m < 2:
         raise ValueError(f"collector: PCA needs at least 2 snapshots, {m} collected")
-    dev = collector.deviations / math.sqrt(m - 1)  # shape: (M, D)
+    dev = collector.covariance_factor()  # shape: (M, D)
+    n_samples = collector.n_collected if collector.method == "frequent_directions" else m
     if rank == "mle":
         _, s, vt = torch.linalg.svd(dev.double(), full_matrices=False)
         spectrum = s.square().numpy(force=True)
@@ -214,7 +253,7 @@ def pca(collector: SWACollector, rank: int | str, seed: int | None = 0) -> Subsp
             raise ValueError(
                 f"collector: the trajectory spans {nonzero} direction(s); need >= 2 for rank='mle'"
             )
-        k = minka_dimension(spectrum[:nonzero], n_samples=m, n_features=nonzero)
+        k = minka_dimension(spectrum[:nonzero], n_samples=n_samples, n_features=nonzero)
         basis = (vt[:k].T * s[:k]).to(dev.dtype)
     else:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
