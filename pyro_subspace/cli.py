@@ -4,7 +4,8 @@
 Inference toy regression, build a PCA subspace of the SGD trajectory, sample it with elliptical
 slice sampling (``--inference nuts|hmc|vi`` for Pyro's samplers or SVI), print a
 table (test NLL, RMSE, 95% coverage: MAP vs subspace posterior) and write a PNG of the predictive
-mean and 95% band. ``pyro-subspace tutorial 01`` runs a tutorial script.
+mean and 95% band. ``pyro-subspace tutorial 01`` runs a tutorial script; ``pyro-subspace grid``
+the Subspace Inference grid of subspaces × inference methods (tutorial 06).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pyro-subspace",
         description="Subspace inference for a neural network: MAP/SWA, a subspace, Bayesian "
-        "inference in it, and a comparison table. Subcommand: 'tutorial NAME' runs tutorials/NAME.",
+        "inference in it, and a comparison table. Subcommands: 'tutorial NAME' runs "
+        "tutorials/NAME; 'grid' runs the paper's subspace x inference grid (tutorial 06).",
     )
     p.add_argument("--dataset", choices=DATASETS, default="toy")
     p.add_argument("--csv", type=Path, help="CSV file for --dataset csv")
@@ -295,6 +297,11 @@ def execute(argv: list[str] | None = None) -> dict | None:
         if len(argv) != 2:
             raise SystemExit("usage: pyro-subspace tutorial NAME   (e.g. 01)")
         run_tutorial(argv[1])
+        return None
+    if argv and argv[0] == "grid":  # the paper's subspace × inference grid (Figure 3)
+        if len(argv) != 1:
+            raise SystemExit("usage: pyro-subspace grid   (writes out/06_subspace_grid.png)")
+        run_tutorial("06")
         return None
     return run(build_parser().parse_args(argv))
 

@@ -67,3 +67,11 @@ def test_console_entry_point_returns_exit_status_zero(tmp_path):
 def test_nuts_inference_option(tmp_path):
     results = cli.execute(TINY + ["--inference", "nuts", "--rank", "2", "--out", str(tmp_path)])
     assert set(results["rows"]) == {"MAP (SWA)", "PCA+NUTS"}
+
+
+def test_grid_subcommand_runs_tutorial_06(monkeypatch):
+    ran = []
+    monkeypatch.setattr(cli, "run_tutorial", ran.append)
+    assert cli.execute(["grid"]) is None and ran == ["06"]
+    with pytest.raises(SystemExit, match="usage: pyro-subspace grid"):
+        cli.execute(["grid", "extra"])

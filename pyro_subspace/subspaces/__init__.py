@@ -7,7 +7,7 @@
 """
 
 from .base import Subspace
-from .curve import curve, curve_losses, fit_curve
+from .curve import bezier, curve, curve_losses, fit_curve
 from .frequent_directions import FrequentDirections
 from .pca import SWACollector, minka_dimension, minka_log_evidence, pca
 from .random import random
@@ -16,6 +16,7 @@ __all__ = [
     "FrequentDirections",
     "SWACollector",
     "Subspace",
+    "bezier",
     "curve",
     "curve_losses",
     "fit_curve",
