@@ -76,7 +76,7 @@ collector = subspaces.SWACollector(net, max_snapshots=20)
 w0 = nn.utils.parameters_to_vector(net.parameters()).detach().clone()
 w1 = nn.utils.parameters_to_vector(other.parameters()).detach().clone()
 fit_map(net, likelihood, data.x_train, data.y_train, epochs=0, collector=collector,
-        swa_epochs=SWA_EPOCHS, swa_lr=3e-4, batch_size=50, weight_decay=1e-4, seed=0,
+        swa_epochs=SWA_EPOCHS, swa_lr=1e-4, batch_size=50, weight_decay=1e-4, seed=0,
         progress=False)  # fmt: skip
 theta = subspaces.fit_curve(net, likelihood, data.x_train, data.y_train, w0, w1,
                             epochs=CURVE_EPOCHS, lr=1e-3, batch_size=50, seed=0,
@@ -159,16 +159,19 @@ print("wrote", OUT / "06_subspace_grid.png")
 model = SubspaceNet(net, spaces["curve (K=2)"], likelihood, temperature="auto")
 kernel = EllipticalSliceSampler(model)
 kernel.setup(0, data.x_train, data.y_train)
-side = torch.linspace(-3, 3, 15 if TINY else 60)
-grid_t = torch.cartesian_prod(side, side)
+curve_t = model.subspace.project(subspaces.bezier(w0, theta, w1, s))
+lo, hi = curve_t.min(0).values - 0.5, curve_t.max(0).values + 0.5  # a window around the curve
+n_side = 15 if TINY else 80
+side1, side2 = torch.linspace(lo[0], hi[0], n_side), torch.linspace(lo[1], hi[1], n_side)
+grid_t = torch.cartesian_prod(side1, side2)
 log_post = torch.tensor(
     [kernel.log_likelihood({"t": t}) + model.prior().log_prob(t).item() for t in grid_t]
-).reshape(len(side), len(side))
-curve_t = model.subspace.project(subspaces.bezier(w0, theta, w1, s))
-fig, ax = plt.subplots(figsize=(6, 5))
-levels = torch.quantile(log_post.flatten(), torch.linspace(0.5, 1.0, 12))
-contour = ax.contourf(side, side, log_post.T, levels=levels.tolist(), cmap="viridis", extend="min")
-fig.colorbar(contour, label="log posterior (up to a constant)")
+).reshape(n_side, n_side)
+fig, ax = plt.subplots(figsize=(7, 5))
+top = log_post.max().item()
+levels = torch.linspace(top - 40, top, 11).tolist()  # the 40 nats below the mode
+contour = ax.contourf(side1, side2, log_post.T, levels=levels, cmap="viridis", extend="min")
+fig.colorbar(contour, label="tempered log posterior")
 ess_t = draws["curve (K=2)", "ESS"]
 ax.scatter(ess_t[:, 0], ess_t[:, 1], s=6, color="white", edgecolor="k", lw=0.3, label="ESS")
 ax.plot(curve_t[:, 0], curve_t[:, 1], "r-", label="Bezier curve")
