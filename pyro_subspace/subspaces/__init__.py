@@ -4,6 +4,8 @@
 - `random`: random unit directions (Subspace Inference C.1).
 - `SWACollector` + `pca`: PCA of the SGD trajectory, optionally with Minka's dimension (C.2, D).
 - `fit_curve` + `curve`: a Bezier curve between two solutions and its 2-D plane (C.3).
+- `subnetwork`: index-basis subspaces chosen by diagonal Laplace, SWAG, magnitude, at random,
+  the last layer, names or explicit indices (Subnetwork Inference, sections 4–5).
 """
 
 from .base import Subspace
@@ -11,8 +13,10 @@ from .curve import bezier, curve, curve_losses, fit_curve
 from .frequent_directions import FrequentDirections
 from .pca import SWACollector, minka_dimension, minka_log_evidence, pca
 from .random import random
+from .subnetwork import STRATEGIES, subnetwork
 
 __all__ = [
+    "STRATEGIES",
     "FrequentDirections",
     "SWACollector",
     "Subspace",
@@ -24,4 +28,5 @@ __all__ = [
     "minka_log_evidence",
     "pca",
     "random",
+    "subnetwork",
 ]

@@ -1,0 +1,189 @@
+"""Subnetwork selection (Subnetwork Inference, Daxberger et al. 2021, sections 4–5).
+
+A subnetwork is a `Subspace` whose basis is an index selection: ``K`` unit columns ``e_i`` at
+the chosen flat positions, never stored as a dense ``(D, K)`` matrix, shifted at the current
+(MAP) weights. Strategies:
+
+- ``"diag_laplace"``: the ``K`` largest marginal variances of a diagonal GGN Laplace
+  approximation, ``1 / (diag(G) + λ)`` — the paper's Wasserstein-optimal selection (eq. 23).
+  **Warning (paper, section 5):** a weight whose GGN diagonal is zero, e.g. into or out of a dead
+  ReLU unit, keeps its prior variance, the largest possible, so this strategy can fill the
+  subnetwork with weights that do not affect the predictions at all. ``"swag"`` avoids this:
+  such weights never move during SGD and get zero SWAG variance.
+- ``"swag"``: the ``K`` largest variances of a diagonal SWAG fitted by a `SWACollector`.
+- ``"magnitude"``: the ``K`` largest absolute weights (a baseline).
+- ``"random"``: ``K`` weights uniformly at random (seeded; the paper's random baseline).
+- ``"last_layer"``: every parameter of the last module that has parameters (its weight and bias).
+- ``"names"``: every parameter whose name equals, or starts with ``"<name>."``, one of ``names``.
+- ``"indices"``: explicit flat positions in ``parameters_to_vector(net.parameters())``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..flat import FlatNet
+from .base import Subspace
+from .pca import SWACollector
+
+STRATEGIES = ("diag_laplace", "swag", "magnitude", "random", "last_layer", "names", "indices")
+
+
+def _offsets(net: nn.Module) -> dict[str, tuple[int, int]]:
+    """``{parameter name: (start, stop)}`` in the flat weight vector."""
+    out, start = {}, 0
+    for name, p in net.named_parameters():
+        out[name] = (start, start + p.numel())
+        start += p.numel()
+    return out
+
+
+def _positions(net: nn.Module, names: Sequence[str]) -> torch.Tensor:
+    spans = _offsets(net)
+    chosen = []
+    for name in names:
+        hits = [s for n, s in spans.items() if n == name or n.startswith(name + ".")]
+        if not hits:
+            raise ValueError(
+                f"names: {name!r} matches no parameter or module; known: {list(spans)}"
+            )
+        chosen += [torch.arange(a, b) for a, b in hits]
+    return torch.cat(chosen).unique()
+
+
+def _output_hessian(likelihood, out: torch.Tensor) -> torch.Tensor:
+    """``H_n``: the GGN's output Hessian of ``−log p(y | f)`` at outputs ``(N, O)``, ``(N, O, O)``."""
+    from ..likelihoods import Bernoulli, Categorical, Gaussian
+
+    n, o = out.shape
+    if isinstance(likelihood, Categorical):
+        p = out.softmax(-1)
+        return torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    if isinstance(likelihood, Bernoulli):
+        p = out.sigmoid()
+        return (p * (1 - p))[:, :, None]
+    if isinstance(likelihood, Gaussian) and likelihood.heteroscedastic:
+        # Fisher in (mean, raw scale): 1/s² and 2 (ds/draw)² / s², with s = softplus(raw) + floor
+        s = torch.nn.functional.softplus(out[:, 1]) + likelihood.min_scale
+        ds = out[:, 1].sigmoid()
+        return torch.diag_embed(torch.stack([1 / s**2, 2 * ds**2 / s**2], -1))
+    if isinstance(likelihood, Gaussian):
+        prec = 1.0 / likelihood.sigma.detach().to(out).square()
+        return torch.diag_embed(prec.expand(n, o))
+    raise TypeError(f"likelihood: no GGN output Hessian for {type(likelihood).__name__}")
+
+
+def ggn_diagonal(
+    net: nn.Module, likelihood, x: torch.Tensor, chunk_size: int = 256
+) -> torch.Tensor:
+    """Exact diagonal of the GGN ``Σ_n J_nᵀ H_n J_n`` at the current weights, shape ``(D,)``.
+
+    Per-sample Jacobians ``(chunk, O, D)`` come from ``torch.func.jacrev`` on chunks of
+    ``chunk_size`` rows, so memory is ``chunk_size·O·D`` numbers, independent of ``N``.
+    """
+    from ..flat import eval_mode
+
+    flat = FlatNet(net, batch_strategy="loop")
+    w = flat.vector()
+    diag = torch.zeros_like(w)
+    with eval_mode(net):
+        for i in range(0, x.shape[0], chunk_size):
+            xc = x[i : i + chunk_size]
+            with torch.no_grad():
+                out = flat(w, xc)
+            out = out.unsqueeze(-1) if out.dim() == 1 else out
+            jac = torch.func.jacrev(lambda v, xc=xc, s=out.shape: flat(v, xc).reshape(s))(w)
+            h = _output_hessian(likelihood, out)
+            diag += torch.einsum("nod,nop,npd->d", jac, h, jac)
+    return diag.detach()
+
+
+def subnetwork(
+    net: nn.Module,
+    n_params: int | None = None,
+    strategy: str = "diag_laplace",
+    *,
+    likelihood=None,
+    x: torch.Tensor | None = None,
+    prior_precision: float = 1.0,
+    collector: SWACollector | None = None,
+    names: Sequence[str] | None = None,
+    indices: torch.Tensor | Sequence[int] | None = None,
+    seed: int | None = None,
+    chunk_size: int | None = None,
+) -> Subspace:
+    """Select a subnetwork of ``net`` and return it as an index-basis `Subspace` at the MAP.
+
+    Args:
+        net: the trained network; its current weights ``ŵ`` (shape ``(D,)``) become the shift.
+        n_params: ``K``, how many weights to select (for the scoring strategies).
+        strategy: one of `STRATEGIES` (see the module docstring).
+        likelihood, x: for ``"diag_laplace"``: the `Likelihood` and training inputs
+            ``(N, ...)`` whose GGN diagonal is computed (in chunks of ``chunk_size`` rows).
+        prior_precision: ``λ`` of the isotropic Gaussian prior in ``1 / (diag(G) + λ)``.
+        collector: for ``"swag"``: a `SWACollector` built on ``net``.
+        names: for ``"names"``: parameter or module names.
+        indices: for ``"indices"``: flat positions.
+        seed: for ``"random"``.
+
+    Returns:
+        A `Subspace` with shift ``ŵ`` and the selected indices, sorted, as its basis.
+    """
+    flat = FlatNet(net)
+    d = flat.num_weights
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}")
+    scored = strategy in ("diag_laplace", "swag", "magnitude", "random")
+    bad_k = isinstance(n_params, bool) or not isinstance(n_params, int) or not 1 <= n_params <= d
+    if scored and bad_k:
+        raise ValueError(
+            f"n_params: expected an int in [1, {d}] for {strategy!r}, got {n_params!r}"
+        )
+    shift = flat.vector()
+    if strategy == "diag_laplace":
+        if likelihood is None or x is None:
+            raise ValueError(
+                "likelihood: 'diag_laplace' needs likelihood= and x= (training inputs)"
+            )
+        if not prior_precision > 0:
+            raise ValueError(
+                f"prior_precision: expected a positive number, got {prior_precision!r}"
+            )
+        score = 1.0 / (ggn_diagonal(net, likelihood, x, chunk_size or 256) + prior_precision)
+    elif strategy == "swag":
+        if not isinstance(collector, SWACollector):
+            raise ValueError("collector: 'swag' needs a SWACollector that has collected snapshots")
+        if collector.flat.num_weights != d:
+            raise ValueError(f"collector: tracks {collector.flat.num_weights} weights, net has {d}")
+        score = collector.variance
+    elif strategy == "magnitude":
+        score = shift.abs()
+    elif strategy == "random":
+        gen = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
+        if seed is None:
+            gen.seed()
+        score = torch.rand(d, generator=gen)
+    if scored:
+        chosen = torch.topk(score.to(shift.device), n_params).indices
+    elif strategy == "last_layer":
+        last = [m for m in net.modules() if list(m.parameters(recurse=False))][-1]
+        chosen = torch.cat([
+            torch.arange(*_offsets(net)[n]) for n, p in net.named_parameters()
+            if any(p is q for q in last.parameters(recurse=False))
+        ])  # fmt: skip
+    elif strategy == "names":
+        if not names:
+            raise ValueError("names: 'names' needs a non-empty list of parameter or module names")
+        chosen = _positions(net, [names] if isinstance(names, str) else names)
+    else:
+        if indices is None:
+            raise ValueError("indices: 'indices' needs indices= (flat positions)")
+        chosen = torch.as_tensor(indices)
+        if chosen.is_floating_point():
+            raise TypeError("indices: expected integer flat positions")
+    if n_params is not None and not scored and chosen.numel() != n_params:
+        raise ValueError(f"n_params: {strategy!r} selects {chosen.numel()} weights, not {n_params}")
+    return Subspace(shift, chosen.sort().values.to(shift.device))
