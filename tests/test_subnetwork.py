@@ -103,7 +103,7 @@ def test_bad_arguments():
     ],
 )
 def test_ggn_diagonal_matches_the_dense_hessian_of_the_loss_in_the_outputs(lik, out_dim):
-    from pyro_subspace.subspaces.subnetwork import ggn_diagonal
+    from pyro_subspace.curvature import ggn_diagonal
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, out_dim)).double()

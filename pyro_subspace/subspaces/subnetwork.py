@@ -54,53 +54,6 @@ def _positions(net: nn.Module, names: Sequence[str]) -> torch.Tensor:
     return torch.cat(chosen).unique()
 
 
-def _output_hessian(likelihood, out: torch.Tensor) -> torch.Tensor:
-    """``H_n``: the GGN's output Hessian of ``−log p(y | f)`` at outputs ``(N, O)``, ``(N, O, O)``."""
-    from ..likelihoods import Bernoulli, Categorical, Gaussian
-
-    n, o = out.shape
-    if isinstance(likelihood, Categorical):
-        p = out.softmax(-1)
-        return torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
-    if isinstance(likelihood, Bernoulli):
-        p = out.sigmoid()
-        return (p * (1 - p))[:, :, None]
-    if isinstance(likelihood, Gaussian) and likelihood.heteroscedastic:
-        # Fisher in (mean, raw scale): 1/s² and 2 (ds/draw)² / s², with s = softplus(raw) + floor
-        s = torch.nn.functional.softplus(out[:, 1]) + likelihood.min_scale
-        ds = out[:, 1].sigmoid()
-        return torch.diag_embed(torch.stack([1 / s**2, 2 * ds**2 / s**2], -1))
-    if isinstance(likelihood, Gaussian):
-        prec = 1.0 / likelihood.sigma.detach().to(out).square()
-        return torch.diag_embed(prec.expand(n, o))
-    raise TypeError(f"likelihood: no GGN output Hessian for {type(likelihood).__name__}")
-
-
-def ggn_diagonal(
-    net: nn.Module, likelihood, x: torch.Tensor, chunk_size: int = 256
-) -> torch.Tensor:
-    """Exact diagonal of the GGN ``Σ_n J_nᵀ H_n J_n`` at the current weights, shape ``(D,)``.
-
-    Per-sample Jacobians ``(chunk, O, D)`` come from ``torch.func.jacrev`` on chunks of
-    ``chunk_size`` rows, so memory is ``chunk_size·O·D`` numbers, independent of ``N``.
-    """
-    from ..flat import eval_mode
-
-    flat = FlatNet(net, batch_strategy="loop")
-    w = flat.vector()
-    diag = torch.zeros_like(w)
-    with eval_mode(net):
-        for i in range(0, x.shape[0], chunk_size):
-            xc = x[i : i + chunk_size]
-            with torch.no_grad():
-                out = flat(w, xc)
-            out = out.unsqueeze(-1) if out.dim() == 1 else out
-            jac = torch.func.jacrev(lambda v, xc=xc, s=out.shape: flat(v, xc).reshape(s))(w)
-            h = _output_hessian(likelihood, out)
-            diag += torch.einsum("nod,nop,npd->d", jac, h, jac)
-    return diag.detach()
-
-
 def subnetwork(
     net: nn.Module,
     n_params: int | None = None,
@@ -152,7 +105,9 @@ def subnetwork(
             raise ValueError(
                 f"prior_precision: expected a positive number, got {prior_precision!r}"
             )
-        score = 1.0 / (ggn_diagonal(net, likelihood, x, chunk_size or 256) + prior_precision)
+        from ..curvature import ggn_diagonal
+
+        score = 1.0 / (ggn_diagonal(net, likelihood, x, chunk_size) + prior_precision)
     elif strategy == "swag":
         if not isinstance(collector, SWACollector):
             raise ValueError("collector: 'swag' needs a SWACollector that has collected snapshots")

@@ -1,0 +1,28 @@
+"""Curvature of a network's loss without dense ``D × D`` matrices.
+
+- `output_hessian`: ``H_n``, the Hessian of ``−log p(y | f)`` in the outputs (Fisher for the
+  heteroscedastic Gaussian).
+- `ggn_vector_product`: ``G v`` by ``jvp``/``vjp`` (Subnetwork Inference eq. 9).
+- `ggn_in_subspace`: ``Pᵀ G P`` for a dense or index `Subspace` (eq. 15).
+- `ggn_diagonal`: the exact ``diag(G)`` (diagonal Laplace, section 5).
+- `lanczos_eigh`: top-``k`` eigenpairs of a symmetric operator (Subspace Inference appendix E),
+  via ``linear_operator``'s Lanczos.
+"""
+
+from .ggn import (
+    MAX_JACOBIAN_NUMBERS,
+    ggn_diagonal,
+    ggn_in_subspace,
+    ggn_vector_product,
+    output_hessian,
+)
+from .lanczos import lanczos_eigh
+
+__all__ = [
+    "MAX_JACOBIAN_NUMBERS",
+    "ggn_diagonal",
+    "ggn_in_subspace",
+    "ggn_vector_product",
+    "lanczos_eigh",
+    "output_hessian",
+]
