@@ -29,7 +29,7 @@ def linear_model(n=30, temperature=1.0, chunk_rows=None):
     return model, x, y
 
 
-def check_gaussian(samples, mean, cov, ess):
+def assert_matches_gaussian(samples, mean, cov, ess):
     """Mean and covariance within 4.5 Monte Carlo standard errors (ESS-based)."""
     emp_mean, emp_cov = samples.mean(0), torch.cov(samples.T)
     assert ((emp_mean - mean).abs() <= 4.5 * (cov.diagonal() / ess).sqrt()).all(), (emp_mean, mean)
@@ -59,7 +59,7 @@ def test_conjugate_posterior_with_four_chains_and_rhat():
     ess = float(az.ess(idata)["t"].values.min())
     assert (rhat < 1.01).all(), rhat
     mean, cov = conjugate_posterior(x, y, SIGMA, PRIOR, temperature=2.0)
-    check_gaussian(mcmc.get_samples()["t"], mean, cov, ess)
+    assert_matches_gaussian(mcmc.get_samples()["t"], mean, cov, ess)
     assert 1.0 <= mcmc.diagnostics()["evaluations per draw"]["chain 0"] < 20
 
 
@@ -71,7 +71,7 @@ def test_without_observations_it_samples_the_prior():
     ess = float(
         az.ess(convert.to_inference_data(samples={"t": t}, model=model, args=(x,)))["t"].min()
     )
-    check_gaussian(
+    assert_matches_gaussian(
         t, torch.zeros(3, dtype=torch.float64), PRIOR**2 * torch.eye(3, dtype=torch.float64), ess
     )
     assert kernel.evaluations_per_draw == 1.0  # every first proposal is accepted
@@ -103,7 +103,7 @@ def test_two_gaussian_sites_in_a_plain_pyro_model():
     cov = torch.linalg.inv(prec)
     mean = cov @ (torch.linalg.solve(s0, m0) + design.T @ y / SIGMA**2)
     ess = float(min(mcmc.diagnostics()[k]["n_eff"].min() for k in ("a", "b")))
-    check_gaussian(theta, mean, cov, ess)
+    assert_matches_gaussian(theta, mean, cov, ess)
 
 
 def non_gaussian_model(y):
