@@ -5,24 +5,29 @@
 - `ggn_vector_product`: ``G v`` by ``jvp``/``vjp`` (Subnetwork Inference eq. 9).
 - `ggn_in_subspace`: ``Pᵀ G P`` for a dense or index `Subspace` (eq. 15).
 - `ggn_diagonal`: the exact ``diag(G)`` (diagonal Laplace, section 5).
+- `subspace_jacobians`, `full_jacobians`: blocks of ``J_n P`` / ``J_n`` for predictives.
 - `lanczos_eigh`: top-``k`` eigenpairs of a symmetric operator (Subspace Inference appendix E),
   via ``linear_operator``'s Lanczos.
 """
 
 from .ggn import (
     MAX_JACOBIAN_NUMBERS,
+    full_jacobians,
     ggn_diagonal,
     ggn_in_subspace,
     ggn_vector_product,
     output_hessian,
+    subspace_jacobians,
 )
 from .lanczos import lanczos_eigh
 
 __all__ = [
     "MAX_JACOBIAN_NUMBERS",
+    "full_jacobians",
     "ggn_diagonal",
     "ggn_in_subspace",
     "ggn_vector_product",
     "lanczos_eigh",
     "output_hessian",
+    "subspace_jacobians",
 ]

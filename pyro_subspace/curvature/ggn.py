@@ -12,6 +12,8 @@ processed in chunks of rows, so memory never depends on ``N``. Networks run in e
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from torch.func import functional_call, jacrev, jvp, vjp, vmap
@@ -39,7 +41,8 @@ def _setup(
 ) -> tuple[FlatNet, torch.Tensor]:
     """Validate the common arguments; return the flat view and the weights ``(D,)``."""
     flat = FlatNet(net, batch_strategy="loop")
-    check_likelihood(likelihood)
+    if likelihood is not None:
+        check_likelihood(likelihood)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a tensor (N, ...), got {type(x).__name__}")
     if x.dim() == 0 or x.shape[0] == 0:
@@ -160,13 +163,10 @@ def ggn_in_subspace(
     Accumulated as ``Σ_n A_nᵀ A_n`` with ``A_n = L_nᵀ J_n P`` (``H_n = L_n L_nᵀ``), so the
     result is symmetric positive semi-definite by construction.
 
-    - Dense basis: ``J_c P`` for a chunk of rows by ``vmap`` over the ``K`` basis columns of
-      ``jvp``: memory ``chunk_size·K·(O + activations)``.
-    - Index basis (a subnetwork): per-sample Jacobians (``vmap`` of ``jacrev``) with respect to
-      only the parameter tensors that hold a selected weight (``D_t`` numbers), then indexed:
-      blocks of at most ``min(chunk_size, MAX_JACOBIAN_NUMBERS // (O·D_t))`` rows, and
-      ``O`` backward passes per row instead of ``K`` forward ones. The full ``(N·O, D)``
-      Jacobian and the dense ``(D, K)`` basis are never formed.
+    The blocks ``J_n P`` come from `subspace_jacobians`: ``K`` forward-mode passes per chunk
+    for a dense basis; for an index basis (a subnetwork) ``O`` backward passes per row through
+    only the parameter tensors that hold a selected weight. The full ``(N·O, D)`` Jacobian and
+    the dense ``(D, K)`` basis of a subnetwork are never formed.
 
     Args:
         net, likelihood, x: as in `ggn_vector_product`.
@@ -178,35 +178,96 @@ def ggn_in_subspace(
     Returns:
         Shape ``(K, K)``, in ``w``'s dtype.
     """
-    flat, w = _setup(net, likelihood, x, w, chunk_size)
+    _, w = _setup(net, likelihood, x, w, chunk_size)
+    blocks = subspace_jacobians(net, x, subspace, chunk_size, w=w)
+    total = w.new_zeros(subspace.rank, subspace.rank)
+    for out, jp in blocks:
+        a = torch.einsum("nok,noc->nck", jp, hessian_factor(likelihood, out))
+        total += torch.einsum("nck,ncj->kj", a, a)
+    return ((total + total.T) / 2).detach()
+
+
+def subspace_jacobians(
+    net: nn.Module,
+    x: torch.Tensor,
+    subspace: Subspace,
+    chunk_size: int | None = 1024,
+    *,
+    w: torch.Tensor | None = None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Blocks of outputs and subspace Jacobians ``J_n P``, never the full ``(N·O, D)`` Jacobian.
+
+    - Dense basis: ``J_c P`` for a chunk of rows by ``vmap`` over the ``K`` basis columns of
+      ``jvp``: memory ``chunk_size·K·(O + activations)``.
+    - Index basis (a subnetwork): per-sample Jacobians (``vmap`` of ``jacrev``) with respect to
+      only the parameter tensors that hold a selected weight (``D_t`` numbers), then indexed:
+      blocks of at most ``min(chunk_size, MAX_JACOBIAN_NUMBERS // (O·D_t))`` rows.
+
+    Args:
+        net: the network; evaluated in eval mode at ``w``.
+        x: inputs, shape ``(N, ...)``.
+        subspace: a `Subspace` of this network (``subspace.dim == D``); its shift is not used.
+        chunk_size: rows per block (``None``: as many as the memory budget allows).
+        w: flat weights ``(D,)``; default the network's current weights.
+
+    Yields:
+        ``(outputs, jp)`` per block of ``n`` rows: ``outputs`` ``(n, O)`` at ``w`` and
+        ``jp = ∂f/∂w · P`` of shape ``(n, O, K)``, both detached, in ``w``'s dtype.
+    """
+    flat, w = _setup(net, None, x, w, chunk_size)
     if not isinstance(subspace, Subspace):
         raise TypeError(f"subspace: expected a Subspace, got {type(subspace).__name__}")
     if subspace.dim != w.numel():
         raise ValueError(f"subspace: has D={subspace.dim}, the network has {w.numel()} weights")
+    return _subspace_blocks(flat, x, subspace, chunk_size, w)
+
+
+def _subspace_blocks(
+    flat: FlatNet, x: torch.Tensor, subspace: Subspace, chunk_size: int | None, w: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     k = subspace.rank
-    total = w.new_zeros(k, k)
-    with eval_mode(net):
+    with eval_mode(flat.net):
         if not subspace.is_index:
             tangents = subspace.basis.T.to(w)  # shape: (K, D)
-            for xc in x.split(chunk_size):
+            for xc in x.split(chunk_size or 1024):
 
                 def f(wv: torch.Tensor, xc: torch.Tensor = xc) -> torch.Tensor:
                     return flat(wv, xc)
 
                 outs, jp = vmap(lambda u, f=f: jvp(f, (w,), (u,)))(tangents)
                 out = _as_2d(outs[0])
-                jp = jp.reshape(k, *out.shape)  # shape: (K, n, O)
-                a = torch.einsum("kno,noc->nck", jp, hessian_factor(likelihood, out))
-                total += torch.einsum("nck,ncj->kj", a, a)
+                yield out.detach(), jp.reshape(k, *out.shape).permute(1, 2, 0).detach()
         else:
             theta, local, fn = _restricted_call(flat, w, subspace.basis.to(w.device))
             for xc in x.split(_block_rows(fn, theta, x, chunk_size)):
                 jac = _per_sample_jacobians(fn, theta, xc)[..., local]  # shape: (n, O, K)
                 with torch.no_grad():
                     out = _as_2d(fn(theta, xc))
-                a = torch.einsum("nok,noc->nck", jac, hessian_factor(likelihood, out))
-                total += torch.einsum("nck,ncj->kj", a, a)
-    return ((total + total.T) / 2).detach()
+                yield out, jac.detach()
+
+
+def full_jacobians(
+    net: nn.Module, x: torch.Tensor, chunk_size: int | None = None, *, w: torch.Tensor | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Blocks of outputs ``(n, O)`` and per-sample Jacobians ``∂f(x_n)/∂w`` ``(n, O, D)``.
+
+    Rows per block: at most ``chunk_size`` and ``MAX_JACOBIAN_NUMBERS // (O·D)``; ``vmap`` over
+    data points of ``jacrev``. For the diagonal of the GGN and the isotropic remainder of a
+    low-rank Laplace; memory about twice one block.
+    """
+    flat, w = _setup(net, None, x, w, chunk_size)
+    return _full_blocks(flat, x, chunk_size, w)
+
+
+def _full_blocks(
+    flat: FlatNet, x: torch.Tensor, chunk_size: int | None, w: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    with eval_mode(flat.net):
+        for xc in x.split(_block_rows(flat, w, x, chunk_size)):
+            jac = _per_sample_jacobians(flat, w, xc)  # shape: (n, O, D)
+            with torch.no_grad():
+                out = _as_2d(flat(w, xc))
+            yield out, jac.detach()
 
 
 def ggn_diagonal(
@@ -234,14 +295,9 @@ def ggn_diagonal(
     Returns:
         Shape ``(D,)``, in ``w``'s dtype.
     """
-    flat, w = _setup(net, likelihood, x, w, chunk_size)
+    _, w = _setup(net, likelihood, x, w, chunk_size)
     diag = torch.zeros_like(w)
-    with eval_mode(net):
-        rows = _block_rows(flat, w, x, chunk_size)
-        for xc in x.split(rows):
-            jac = _per_sample_jacobians(flat, w, xc)  # shape: (n, O, D)
-            with torch.no_grad():
-                out = _as_2d(flat(w, xc))
-            lj = torch.einsum("noc,nod->ncd", hessian_factor(likelihood, out), jac)
-            diag += lj.square().sum((0, 1))
+    for out, jac in full_jacobians(net, x, chunk_size, w=w):
+        lj = torch.einsum("noc,nod->ncd", hessian_factor(likelihood, out), jac)
+        diag += lj.square().sum((0, 1))
     return diag.detach()
