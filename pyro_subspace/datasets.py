@@ -31,6 +31,7 @@ from sklearn.model_selection import train_test_split
 __all__ = ["IN_BETWEEN_CLUSTERS", "TASKS", "TOY_INTERVALS", "Dataset", "diabetes", "digits"]
 __all__ += ["from_csv", "in_between", "load", "rotate_images", "rotated_digits"]
 __all__ += ["toy_features", "toy_regression"]
+__all__ += ["OOD_KINDS", "digits_split_classes", "ood_digits"]
 
 TASKS = ("regression", "classification")
 TOY_INTERVALS = ((-7.2, -4.8), (-1.2, 1.2), (4.8, 7.2))  # Subspace Inference, section 3.1
@@ -420,3 +421,82 @@ def load(name: str, **kwargs: object) -> Dataset:
     if name not in _REGISTRY:
         raise ValueError(f"name: expected one of {sorted(_REGISTRY)}, got {name!r}")
     return _REGISTRY[name](**kwargs)
+
+
+OOD_KINDS = ("noise", "permuted", "scaled")
+
+
+def _standardize_like(data: Dataset, raw: torch.Tensor) -> torch.Tensor:
+    return raw if data.x_mean is None else (raw - data.x_mean) / data.x_std
+
+
+def ood_digits(data: Dataset, kind: str, seed: int = 0, delta: float | None = None) -> torch.Tensor:
+    """Out-of-distribution inputs for a `digits` dataset, built offline (MoLA, Table 1 at 8x8).
+
+    - ``"noise"``: ``N_test`` images of i.i.d. uniform pixels in the raw range ``[0, 16]``.
+    - ``"permuted"``: the test digits with their 64 pixels shuffled by one seeded permutation
+      (the same for every image): the pixel statistics stay, the shapes are gone.
+    - ``"scaled"``: the standardised test inputs times ``delta`` (MoLA B.1: ``δ·x`` "far away"
+      from the data as ``δ → ∞``; the benchmarks use ``δ = 10, 100, 1000``).
+
+    Raw images are standardised with the training statistics, like ``data.x_test``.
+
+    Args:
+        data: a Dataset from `digits` or `digits_split_classes`.
+        kind: one of `OOD_KINDS`.
+        seed: seeds the noise and the permutation.
+        delta: the scale factor ``δ > 0`` (``"scaled"`` only).
+
+    Returns:
+        Shape ``(N_test, 64)``, float32.
+    """
+    if not isinstance(data, Dataset) or data.name != "digits":
+        raise ValueError("data: expected a Dataset returned by datasets.digits()")
+    if kind not in OOD_KINDS:
+        raise ValueError(f"kind: expected one of {OOD_KINDS}, got {kind!r}")
+    if kind == "scaled":
+        bad = isinstance(delta, bool) or not isinstance(delta, (int, float))
+        if bad or not (0 < delta < math.inf):
+            raise ValueError(f"delta: expected a finite number > 0 for 'scaled', got {delta!r}")
+        return data.x_test * float(delta)
+    if delta is not None:
+        raise ValueError(f"delta: only used by kind='scaled', got {delta!r} for {kind!r}")
+    gen = torch.Generator().manual_seed(int(seed))
+    if kind == "noise":
+        raw = 16.0 * torch.rand(data.x_test.shape, generator=gen)
+    else:
+        raw = data.x_test if data.x_mean is None else data.x_test * data.x_std + data.x_mean
+        raw = raw[:, torch.randperm(raw.shape[1], generator=gen)]
+    return _standardize_like(data, raw).to(torch.float32)
+
+
+def digits_split_classes(
+    seed: int = 0,
+    in_classes: Sequence[int] = (0, 1, 2, 3, 4),
+    test_fraction: float = 0.2,
+    standardize: bool = True,
+) -> tuple[Dataset, torch.Tensor]:
+    """Digits of ``in_classes`` as the in-distribution task, all other digits as OOD inputs.
+
+    The in-distribution images are split like `digits` (seeded, stratified) and relabelled
+    ``in_classes[j] → j``; the held-out-class images (e.g. 5–9) are standardised with the same
+    training statistics.
+
+    Returns:
+        ``(data, x_ood)``: a `Dataset` named ``"digits"`` with ``len(in_classes)`` classes, and
+        the OOD inputs ``(M, 64)``, float32.
+    """
+    classes = [int(c) for c in in_classes]
+    if len(set(classes)) != len(classes) or not 2 <= len(classes) < 10:
+        raise ValueError(f"in_classes: expected 2 to 9 distinct digits, got {in_classes!r}")
+    if any(not 0 <= c <= 9 for c in classes):
+        raise ValueError(f"in_classes: digits must lie in 0..9, got {in_classes!r}")
+    raw = load_digits()
+    inside = np.isin(raw.target, classes)
+    relabel = np.vectorize({c: j for j, c in enumerate(classes)}.get)
+    data = _split(
+        "digits", "classification", raw.data[inside], relabel(raw.target[inside]), seed,
+        test_fraction, standardize,
+    )  # fmt: skip
+    x_ood = torch.as_tensor(raw.data[~inside], dtype=torch.float32)
+    return data, _standardize_like(data, x_ood).to(torch.float32)

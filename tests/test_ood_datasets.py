@@ -1,0 +1,86 @@
+"""OOD sets for the digits benchmarks: noise, permuted, scaled, held-out classes."""
+
+import pytest
+import torch
+from sklearn.datasets import load_digits
+
+from pyro_subspace import datasets
+
+
+@pytest.fixture(scope="module")
+def data():
+    return datasets.digits(seed=0)
+
+
+def _raw(data, x):
+    return x * data.x_std + data.x_mean
+
+
+def test_noise_is_uniform_over_the_raw_pixel_range(data):
+    x = datasets.ood_digits(data, "noise", seed=1)
+    assert x.shape == data.x_test.shape and x.dtype == torch.float32
+    raw = _raw(data, x)
+    assert raw.min() >= -1e-4 and raw.max() <= 16 + 1e-3
+    # mean 8 and variance 16²/12 of U(0, 16), within 5 standard errors
+    n = raw.numel()
+    assert abs(raw.mean().item() - 8.0) < 5 * (16 / 12**0.5) / n**0.5
+    assert raw.var().item() == pytest.approx(256 / 12, rel=0.03)
+    assert torch.equal(x, datasets.ood_digits(data, "noise", seed=1))
+    assert not torch.equal(x, datasets.ood_digits(data, "noise", seed=2))
+
+
+def test_permuted_digits_keep_each_images_pixels(data):
+    x = datasets.ood_digits(data, "permuted", seed=3)
+    raw, raw_test = _raw(data, x), _raw(data, data.x_test)
+    # the same multiset of pixel values per image, in a different order
+    assert torch.allclose(raw.sort(1).values, raw_test.sort(1).values, atol=1e-4)
+    assert not torch.allclose(raw, raw_test, atol=1e-4)
+    # one permutation for all images: find it from the first image's distinct values
+    gen = torch.Generator().manual_seed(3)
+    perm = torch.randperm(64, generator=gen)
+    assert torch.allclose(raw, raw_test[:, perm], atol=1e-4)
+
+
+def test_scaled_is_delta_times_the_standardised_test_inputs(data):
+    for delta in (10, 100.0, 1000):
+        assert torch.equal(datasets.ood_digits(data, "scaled", delta=delta), data.x_test * delta)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"kind": "blur"}, "kind"),
+        ({"kind": "scaled"}, "delta"),
+        ({"kind": "scaled", "delta": -1.0}, "delta"),
+        ({"kind": "noise", "delta": 10.0}, "delta"),
+    ],
+)
+def test_bad_arguments_name_themselves(data, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        datasets.ood_digits(data, **kwargs)
+    with pytest.raises(ValueError, match="data"):
+        datasets.ood_digits(datasets.diabetes(), "noise")
+
+
+def test_held_out_classes_split_relabels_and_standardises():
+    data, x_ood = datasets.digits_split_classes(seed=0, in_classes=(0, 1, 2, 3, 4))
+    raw = load_digits()
+    n_in = int((raw.target < 5).sum())
+    assert data.n_classes == 5 and data.name == "digits"
+    assert data.n_train + data.x_test.shape[0] == n_in
+    assert x_ood.shape == (int((raw.target >= 5).sum()), 64)
+    assert set(data.y_train.tolist()) == {0, 1, 2, 3, 4}
+    # OOD images use the in-distribution training statistics
+    back = x_ood * data.x_std + data.x_mean
+    assert torch.allclose(back, torch.as_tensor(raw.data[raw.target >= 5]).float(), atol=1e-3)
+    # relabelling follows the order of in_classes
+    other, _ = datasets.digits_split_classes(seed=0, in_classes=(9, 3))
+    first = torch.as_tensor(raw.data[raw.target == 9][:1]).float()
+    sel = ((other.x_train * other.x_std + other.x_mean) - first).abs().sum(1) < 1e-3
+    sel_test = ((other.x_test * other.x_std + other.x_mean) - first).abs().sum(1) < 1e-3
+    labels = torch.cat([other.y_train[sel], other.y_test[sel_test]])
+    assert labels.tolist() == [0]
+    with pytest.raises(ValueError, match="in_classes"):
+        datasets.digits_split_classes(in_classes=(1, 1))
+    with pytest.raises(ValueError, match="in_classes"):
+        datasets.digits_split_classes(in_classes=(3, 12))
