@@ -1,0 +1,336 @@
+"""Deep ensembles and the mixture-predictive interface shared by ensembles, SWAG and MoLA.
+
+Every predictor here is a *mixture*: ``M`` components with weights ``π_m`` (summing to one), each
+with its own predictive distribution. They share one small interface (`MixturePredictor`):
+
+- ``components(x)`` → ``(weights (M,), per-component predictives)``: class probabilities
+  ``(M, N, C)`` (`Categorical`), ``P(y = 1)`` ``(M, N)`` (`Bernoulli`), or a pair
+  ``(means (M, N, O), variances (M, N, O))`` of Gaussians that include the observation noise
+  (`Gaussian` regression; ``O = 1`` for a single output or a heteroscedastic net).
+- ``predict(x)`` → the mixture predictive: probabilities ``(N, C)`` / ``(N,)``, or for regression
+  the moment-matched ``(mean (N, O), variance (N, O))``.
+- ``log_prob(x, y)`` → the log predictive density of each target, ``(N,)``: the log of the
+  mixture's probability of ``y_n``, for regression the exact mixture-of-Gaussians density.
+
+All outputs are float64. A deep ensemble (Lakshminarayanan et al., 2017; MoLA eq. 3) has one
+component per network, ``π_m = 1/K``; SWAG and MultiSWAG (`swag.py`) one per weight draw;
+`MixtureOfLaplace` one per member Laplace approximation (MoLA eqs. 1, 7–9).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..flat import eval_mode
+from ..likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
+from ..subspaces import SWACollector
+from ..train import fit_map
+
+__all__ = ["DeepEnsemble", "MixturePredictor", "TrainedEnsemble", "train_ensemble"]
+
+
+class MixturePredictor:
+    """Base class: a predictive that is a weighted mixture of per-component predictives.
+
+    Subclasses set ``self.likelihood`` (the `Likelihood` shared by the components, used to tell
+    classification from regression) and implement `components`.
+    """
+
+    likelihood: Likelihood
+
+    def components(
+        self, x: torch.Tensor, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+        """Mixture weights ``(M,)`` and per-component predictives (see the module docstring)."""
+        raise NotImplementedError
+
+    @property
+    def is_regression(self) -> bool:
+        """True for a `Gaussian` likelihood (mixture of Gaussians), False for classification."""
+        return isinstance(self.likelihood, Gaussian)
+
+    def predict(
+        self, x: torch.Tensor, **kwargs: object
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The mixture predictive ``Σ_m π_m p_m(y | x)``.
+
+        Args:
+            x: inputs ``(N, ...)``.
+            **kwargs: passed to `components` (e.g. ``num_samples``, ``method``).
+
+        Returns:
+            Classification: probabilities ``(N, C)`` (`Categorical`) or ``P(y = 1)`` ``(N,)``
+            (`Bernoulli`). Regression: the moment-matched Gaussian, ``(mean, variance)``, each
+            ``(N, O)``: ``μ = Σ π_m μ_m``, ``σ² = Σ π_m σ_m² + Σ π_m (μ_m − μ)²``.
+        """
+        weights, comp = self.components(x, **kwargs)
+        if self.is_regression:
+            means, variances = comp
+            w = weights[:, None, None]
+            mean = (w * means).sum(0)
+            return mean, (w * variances).sum(0) + (w * (means - mean).square()).sum(0)
+        return torch.einsum("m,m...->...", weights, comp)
+
+    def log_prob(self, x: torch.Tensor, y: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        """Log predictive density ``log Σ_m π_m p_m(y_n | x_n)`` of each target, shape ``(N,)``.
+
+        Regression uses the mixture of Gaussians itself (not its moment match), summed over the
+        ``O`` outputs of each point; classification the log mixture probability of the label
+        (clamped at ``1e-12``).
+        """
+        weights, comp = self.components(x, **kwargs)
+        log_w = weights.clamp_min(1e-300).log()
+        if self.is_regression:
+            means, variances = comp
+            yy = _targets_like(y, means.shape[1:])
+            log_p = torch.distributions.Normal(means, variances.sqrt()).log_prob(yy).sum(-1)
+            return torch.logsumexp(log_w[:, None] + log_p, dim=0)
+        probs = torch.einsum("m,m...->...", weights, comp)
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"y: expected a torch.Tensor of labels, got {type(y).__name__}")
+        y = y.reshape(-1)
+        if y.shape[0] != probs.shape[0]:
+            raise ValueError(f"y: expected {probs.shape[0]} labels, got shape {tuple(y.shape)}")
+        if probs.dim() == 1:  # Bernoulli
+            p = torch.where(y.to(probs.device).bool(), probs, 1 - probs)
+        else:
+            p = probs.gather(1, y.to(probs.device).long()[:, None]).squeeze(1)
+        return p.clamp_min(1e-12).log()
+
+
+@dataclass
+class TrainedEnsemble:
+    """What `train_ensemble` returns.
+
+    Attributes:
+        nets: the ``K`` trained networks (MAP estimates), one per seed.
+        likelihoods: the likelihood of each member (copies when it has learnable parameters,
+            e.g. a learned Gaussian noise scale; otherwise the same object ``K`` times).
+        collectors: ``K`` `SWACollector` s (``collector=True``), else ``None``. Each was filled by a
+            constant-learning-rate SGD phase started from a *copy* of the member's MAP network
+            (its ``collector.flat.net``), so ``nets`` stay the MAP solutions.
+        losses: the training-loss history of each member (`fit_map`'s return value).
+        seeds: the seed of each member (initialisation and minibatch order).
+    """
+
+    nets: list[nn.Module]
+    likelihoods: list[Likelihood]
+    collectors: list[SWACollector] | None
+    losses: list[list[float]]
+    seeds: list[int]
+
+
+def train_ensemble(
+    make_net: Callable[[], nn.Module],
+    likelihood: Likelihood,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    n_members: int = 5,
+    seeds: Sequence[int] | None = None,
+    progress: bool = True,
+    collector: bool = False,
+    swa_epochs: int = 20,
+    swa_lr: float | None = None,
+    max_snapshots: int = 20,
+    **fit_map_kwargs: object,
+) -> TrainedEnsemble:
+    """Train ``K`` networks independently from different seeds (a deep ensemble, MoLA eq. 3).
+
+    For each seed ``s``: ``torch.manual_seed(s)``, ``net = make_net()`` (a fresh random
+    initialisation), then `fit_map` with ``seed=s`` (minibatch order) and ``fit_map_kwargs``.
+    With ``collector=True`` a copy of each trained net then runs ``swa_epochs`` of constant-rate
+    SGD (`fit_map` with ``epochs=0``) collecting SWAG statistics in a `SWACollector`, the
+    MultiSWAG recipe (Wilson & Izmailov, 2020): SWAG around each independently trained mode.
+
+    Args:
+        make_net: a function of no arguments returning a new network.
+        likelihood: the `Likelihood` (deep-copied per member if it has trainable parameters).
+        x, y: training data ``(N, ...)``, ``(N,)``.
+        n_members: ``K`` (ignored when ``seeds`` is given: ``K = len(seeds)``).
+        seeds: distinct integer seeds, default ``0 … K−1``.
+        progress: one ``tqdm`` bar over the members.
+        collector: also collect SWAG statistics (see above).
+        swa_epochs, swa_lr, max_snapshots: the SWA phase (``swa_epochs >= 2``).
+        **fit_map_kwargs: ``epochs``, ``lr``, ``weight_decay``, ``batch_size``, ``optimizer``,
+            ``momentum`` of `fit_map`; ``weight_decay``, ``batch_size`` and ``momentum`` also apply
+            to the SWA phase.
+
+    Returns:
+        A `TrainedEnsemble`.
+    """
+    if not callable(make_net):
+        raise TypeError(f"make_net: expected a callable returning a network, got {make_net!r}")
+    if not isinstance(likelihood, Likelihood):
+        raise TypeError(
+            f"likelihood: expected a pyro_subspace Likelihood, got {type(likelihood).__name__}"
+        )
+    if seeds is None:
+        if isinstance(n_members, bool) or not isinstance(n_members, int) or n_members < 1:
+            raise ValueError(f"n_members: expected a positive int, got {n_members!r}")
+        seeds = list(range(n_members))
+    else:
+        seeds = list(seeds)
+        if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
+            raise ValueError(f"seeds: expected a non-empty list of ints, got {seeds!r}")
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"seeds: expected distinct seeds, got {seeds!r}")
+    bad_swa = isinstance(swa_epochs, bool) or not isinstance(swa_epochs, int) or swa_epochs < 2
+    if collector and bad_swa:
+        raise ValueError(f"swa_epochs: collector=True needs an int >= 2, got {swa_epochs!r}")
+    for key in ("collector", "swa_epochs", "swa_lr", "seed", "progress"):
+        if key in fit_map_kwargs:
+            raise TypeError(f"{key}: set by train_ensemble itself; not a fit_map_kwargs entry")
+    learnable = any(p.requires_grad for p in likelihood.parameters())
+    swa_keys = ("weight_decay", "batch_size", "momentum")
+    swa_kwargs = {k: v for k, v in fit_map_kwargs.items() if k in swa_keys}
+    nets, liks, cols, losses = [], [], [], []
+    for s in tqdm(seeds, desc="ensemble", disable=not progress, leave=False):
+        torch.manual_seed(s)
+        net = make_net()
+        if not isinstance(net, nn.Module):
+            raise TypeError(f"make_net: returned {type(net).__name__}, not a torch.nn.Module")
+        lik = copy.deepcopy(likelihood) if learnable else likelihood
+        history = fit_map(net, lik, x, y, seed=s, progress=False, **fit_map_kwargs)
+        if collector:
+            swag_net = copy.deepcopy(net)
+            col = SWACollector(swag_net, max_snapshots=max_snapshots)
+            lr = fit_map_kwargs.get("lr", 1e-2) if swa_lr is None else swa_lr
+            history = history + fit_map(
+                swag_net, lik, x, y, epochs=0, swa_epochs=swa_epochs, swa_lr=lr,
+                collector=col, seed=s, progress=False, **swa_kwargs,
+            )  # fmt: skip
+            cols.append(col)
+        nets.append(net)
+        liks.append(lik)
+        losses.append(history)
+    return TrainedEnsemble(nets, liks, cols if collector else None, losses, seeds)
+
+
+class DeepEnsemble(MixturePredictor):
+    """A deep ensemble: the uniform mixture of the members' predictives (MoLA eq. 3).
+
+    ``p_DE(y | x) = 1/K Σ_k p(y | x, θ_MAP^(k))``; for regression each member contributes the
+    Gaussian ``N(f_k(x), σ_k²(x))`` (mean and noise of its likelihood), and `predict` returns
+    the moment-matched Gaussian, `log_prob` the mixture density.
+
+    Args:
+        nets: ``K >= 1`` trained networks with the same output width.
+        likelihood: one `Likelihood` for all, or a list of ``K`` (one per member, e.g. from
+            `TrainedEnsemble.likelihoods` when the noise scale was learned).
+
+    Example:
+        >>> ens = train_ensemble(make_net, Categorical(), x, y, n_members=5)  # doctest: +SKIP
+        >>> probs = DeepEnsemble(ens.nets, Categorical()).predict(x_test)     # doctest: +SKIP
+    """
+
+    def __init__(
+        self, nets: Sequence[nn.Module], likelihood: Likelihood | Sequence[Likelihood]
+    ) -> None:
+        self.nets = _check_nets(nets)
+        self.likelihoods = _check_likelihoods(likelihood, len(self.nets))
+        self.likelihood = self.likelihoods[0]
+
+    def components(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+        """Uniform weights ``(K,)`` and each member's predictive (module docstring)."""
+        check_inputs(x)
+        outs = []
+        with torch.no_grad():
+            for net in self.nets:
+                with eval_mode(net):
+                    outs.append(net(x))
+        return _uniform(len(outs), x), member_predictives(self.likelihoods, outs)
+
+
+def member_predictives(
+    likelihoods: Sequence[Likelihood], outputs: Sequence[torch.Tensor]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-component predictives from network outputs.
+
+    Args:
+        likelihoods: one `Likelihood` per entry of ``outputs`` (all of the same kind).
+        outputs: network outputs, each ``(..., N, O)``; leading dimensions (draws) are flattened
+            into the component dimension.
+
+    Returns:
+        Probabilities ``(M, N, C)`` / ``(M, N)``, or ``(means, variances)`` ``(M, N, O)`` each,
+        float64, ``M`` the total number of output rows.
+    """
+    probs, means, variances = [], [], []
+    for lik, out in zip(likelihoods, outputs):
+        out = out.detach()
+        out = out.unsqueeze(-1) if out.dim() == 1 else out
+        lik.check_outputs(out)
+        out = out.reshape(-1, *out.shape[-2:])
+        if isinstance(lik, Gaussian):
+            with torch.no_grad():
+                loc, scale = lik.loc_scale(out)
+            if loc.dim() == out.dim() - 1:
+                loc, scale = loc.unsqueeze(-1), scale.unsqueeze(-1)
+            means.append(loc.double())
+            variances.append(scale.double().square())
+        elif isinstance(lik, Bernoulli):
+            probs.append(out.squeeze(-1).double().sigmoid())
+        elif isinstance(lik, Categorical):
+            probs.append(out.double().softmax(-1))
+        else:
+            raise TypeError(f"likelihood: unsupported likelihood {type(lik).__name__}")
+    if means:
+        return torch.cat(means), torch.cat(variances)
+    return torch.cat(probs)
+
+
+def check_inputs(x: object, name: str = "x") -> int:
+    """Raise unless ``x`` is a tensor ``(N, ...)`` with ``N >= 1`` and finite floats; return N."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor (N, ...), got {type(x).__name__}")
+    if x.dim() == 0 or x.shape[0] == 0:
+        raise ValueError(f"{name}: expected at least one input row, got shape {tuple(x.shape)}")
+    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name}: contains NaN or inf")
+    return x.shape[0]
+
+
+def _check_nets(nets: object) -> list[nn.Module]:
+    if isinstance(nets, nn.Module) or not isinstance(nets, Sequence) or len(nets) == 0:
+        raise TypeError(f"nets: expected a non-empty list of torch.nn.Module, got {nets!r}")
+    for i, net in enumerate(nets):
+        if not isinstance(net, nn.Module):
+            raise TypeError(f"nets: entry {i} is {type(net).__name__}, not a torch.nn.Module")
+    return list(nets)
+
+
+def _check_likelihoods(likelihood: object, k: int) -> list[Likelihood]:
+    liks = list(likelihood) if isinstance(likelihood, (list, tuple)) else [likelihood] * k
+    if len(liks) != k:
+        raise ValueError(f"likelihood: expected one likelihood or a list of {k}, got {len(liks)}")
+    for lik in liks:
+        if not isinstance(lik, (Gaussian, Categorical, Bernoulli)):
+            raise TypeError(
+                "likelihood: expected a pyro_subspace Gaussian, Categorical or Bernoulli, "
+                f"got {type(lik).__name__}"
+            )
+    if len({type(lik) for lik in liks}) > 1:
+        raise ValueError("likelihood: all members need the same kind of likelihood")
+    return liks
+
+
+def _uniform(m: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.full((m,), 1.0 / m, dtype=torch.float64, device=like.device)
+
+
+def _targets_like(y: object, shape: torch.Size) -> torch.Tensor:
+    """Regression targets as ``(N, O)`` float64 for component means of shape ``(N, O)``."""
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"y: expected a torch.Tensor, got {type(y).__name__}")
+    n, o = shape
+    if y.numel() != n * o or y.shape[0] != n:
+        raise ValueError(f"y: expected {n} targets with {o} output(s), got {tuple(y.shape)}")
+    return y.reshape(n, o).double()
