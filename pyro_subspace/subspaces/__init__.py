@@ -6,11 +6,13 @@
 - `fit_curve` + `curve`: a Bezier curve between two solutions and its 2-D plane (C.3).
 - `subnetwork`: index-basis subspaces chosen by diagonal Laplace, SWAG, magnitude, at random,
   the last layer, names or explicit indices (Subnetwork Inference, sections 4–5).
+- `ggn_eigen`: the leading GGN eigenvectors by Lanczos, the basis of a low-rank Laplace.
 """
 
 from .base import Subspace
 from .curve import bezier, curve, curve_losses, fit_curve
 from .frequent_directions import FrequentDirections
+from .ggn_eigen import ggn_eigen
 from .pca import SWACollector, minka_dimension, minka_log_evidence, pca
 from .random import random
 from .subnetwork import STRATEGIES, subnetwork
@@ -24,6 +26,7 @@ __all__ = [
     "curve",
     "curve_losses",
     "fit_curve",
+    "ggn_eigen",
     "minka_dimension",
     "minka_log_evidence",
     "pca",

@@ -1,0 +1,70 @@
+"""The top eigenvectors of the GGN at the MAP as a subspace: the basis of a low-rank Laplace.
+
+Subspace Inference, appendix E, finds the eigenstructure of the Hessian/GGN with Lanczos
+(GPyTorch); Subnetwork Inference discusses the low-rank Laplace as the alternative to a
+subnetwork. Here ``G = Σ_n J_nᵀ H_n J_n`` is only ever applied to vectors
+(`curvature.ggn_vector_product`), so memory is that of a few network passes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..curvature import ggn_vector_product, lanczos_eigh
+from ..flat import FlatNet
+from ..likelihoods import Likelihood
+from .base import Subspace
+
+
+def ggn_eigen(
+    net: nn.Module,
+    likelihood: Likelihood,
+    x: torch.Tensor,
+    rank: int,
+    *,
+    w: torch.Tensor | None = None,
+    num_iter: int | None = None,
+    chunk_size: int = 1024,
+    seed: int = 0,
+) -> Subspace:
+    """The ``rank`` leading GGN eigenvectors at ``w`` as a dense, orthonormal `Subspace`.
+
+    ``G u_k = γ_k u_k`` with ``γ_1 >= … >= γ_K`` by Lanczos (`curvature.lanczos_eigh`, float64
+    Lanczos vectors, full reorthogonalisation); the subspace is ``w = ŵ + U t`` with
+    ``U = [u_1 … u_K]`` of shape ``(D, K)`` and ``UᵀU = I``. Under the isotropic prior
+    ``N(0, λ⁻¹ I)`` the Laplace posterior precision in this subspace is ``diag(γ)/T + λ I``
+    (`infer.AutoSubspaceLaplace`), and the directions left out keep precision ``λ``.
+
+    Args:
+        net: the network (at its MAP); evaluated in eval mode.
+        likelihood: `Gaussian`, `Categorical` or `Bernoulli`.
+        x: training inputs, shape ``(N, ...)`` (the GGN does not depend on the targets).
+        rank: ``K``, the number of eigenvectors, ``1 <= K <= D``.
+        w: flat weights ``(D,)`` (the shift ``ŵ``); default the network's current weights.
+        num_iter: Lanczos iterations (GGN-vector products); default ``max(2K + 20, 3K)``.
+        chunk_size: rows per ``jvp``/``vjp`` pass.
+        seed: seed of Lanczos' random start vector.
+
+    Returns:
+        A `Subspace` with ``shift = ŵ`` ``(D,)`` and ``basis = U`` ``(D, K)`` in ``ŵ``'s dtype,
+        carrying the eigenvalues ``γ`` ``(K,)`` (descending) as the buffer ``eigenvalues``.
+    """
+    flat = FlatNet(net)
+    if w is None:
+        w = flat.vector()
+    flat.check_weights(w, "w", batched=False)
+    d = flat.num_weights
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= d:
+        raise ValueError(f"rank: expected an int in [1, {d}], got {rank!r}")
+    w = w.detach()
+
+    def matvec(v: torch.Tensor) -> torch.Tensor:
+        return ggn_vector_product(net, likelihood, x, v.to(w), w=w, chunk_size=chunk_size)
+
+    values, vectors = lanczos_eigh(
+        matvec, d, rank, num_iter=num_iter, dtype=torch.float64, device=w.device, seed=seed
+    )
+    sub = Subspace(w.clone(), vectors.to(w.dtype))
+    sub.register_buffer("eigenvalues", values.clamp_min(0).to(w.dtype))
+    return sub
