@@ -1,0 +1,412 @@
+"""Mixtures of Laplace approximations over an ensemble (MoLA; Eschenhagen et al., 2021).
+
+Given ``K`` independently trained networks ``θ_MAP^(k)`` (a deep ensemble, eq. 3), MoLA fits a
+Laplace approximation ``N(μ^(k), Σ^(k))`` around each, over a subspace of its weights (the last
+layer by default: LLLA), and combines them into the mixture posterior
+
+    p_MoLA(w | D) = Σ_k π^(k) N(w | μ^(k), Σ^(k))                                   (eq. 7)
+
+whose linearised outputs are the Gaussian mixture ``Σ_k π^(k) N(f | m^(k), C^(k))`` (eq. 8). For
+the last layer the linearisation is exact. Classification uses the mixture of multi-class probit
+approximations (eqs. 1 / 9, with eq. 6 per component)
+
+    p(y = c | x) ≈ Σ_k π^(k) softmax(z^(k))_c,   z^(k)_i = m^(k)_i / √(1 + π/8 · C^(k)_ii),
+
+or Monte Carlo; regression the mixture of the members' Gaussian predictives (density), or its
+moment match. Each member is a `SubspaceNet` with an `AutoSubspaceLaplace` guide, so any subspace
+builder can replace the last layer (MoLA B.2: "a Laplace approximation over a subset of the
+weights"). With one network this is the last-layer Laplace approximation (`LastLayerLaplace`).
+
+Mixture weights are uniform (what the paper uses in all experiments) or, as the experiment the
+paper describes in B.2 / E.1, proportional to each member's Laplace evidence
+``p(D | M_k)`` (``weights="evidence"``); the paper reports that these weights degenerate to
+(almost) one member, as the evidences of independently trained networks differ by many nats.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..curvature import subspace_jacobians
+from ..flat import eval_mode
+from ..likelihoods import Gaussian, Likelihood
+from ..nn import SubspaceNet
+from ..subspaces import Subspace, subnetwork
+from .ensembles import (
+    MixturePredictor,
+    _check_likelihoods,
+    _check_nets,
+    check_inputs,
+    member_predictives,
+)
+from .laplace import AutoSubspaceLaplace, linearized_moments, linearized_predictive, probit
+
+__all__ = ["LastLayerLaplace", "MixtureOfLaplace", "far_away_confidence_bound"]
+
+WEIGHTS = ("uniform", "evidence")
+METHODS = ("auto", "probit", "mc", "closed_form", "sample")
+
+
+class MixtureOfLaplace(MixturePredictor):
+    """MoLA: one Laplace approximation per trained network, combined as a mixture (eq. 7).
+
+    Args:
+        nets: ``K >= 1`` trained networks (MAP estimates, e.g. `train_ensemble(...).nets`); their
+            current weights are the shifts ``ŵ^(k)``.
+        likelihood: one `Likelihood` or a list of ``K``.
+        subset: which weights get a Laplace approximation: ``"last_layer"`` (LLLA, every
+            parameter of the last module that has parameters), a function ``net -> Subspace``
+            (any builder, e.g. ``lambda n: subspaces.subnetwork(n, 200, "magnitude")``), or a
+            list of ``K`` `Subspace` s.
+        weights: ``"uniform"`` (``π^(k) = 1/K``), ``"evidence"`` (``π^(k) ∝`` the member's
+            Laplace marginal likelihood, set by `fit`; the paper's E.1 experiment), or ``K``
+            non-negative numbers (normalised).
+        prior_precision: ``λ > 0`` of the Gaussian weight prior, shared by the members (the
+            paper's choice). With weight decay ``wd`` on the mean loss of ``N`` points, the
+            training prior is ``λ = N·wd``; post-hoc tuning: `optimize_prior_precision`.
+        prior_mean: ``"zero"`` (the prior ``N(0, λ⁻¹ I)`` on the weights themselves, whose MAP
+            the networks are, so ``μ^(k) = ŵ^(k)``) or ``"shift"`` (centred at ``ŵ^(k)``); see
+            `AutoSubspaceLaplace`.
+        temperature: ``T`` of the likelihood (1: the ordinary posterior).
+        chunk_size: rows of data per Jacobian block.
+
+    After `fit`: ``members`` (list of ``(SubspaceNet, AutoSubspaceLaplace)``), ``weights``
+    ``(K,)`` float64, ``log_evidences`` ``(K,)``.
+
+    Example:
+        >>> ens = train_ensemble(make_net, Categorical(), x, y, n_members=5)   # doctest: +SKIP
+        >>> mola = MixtureOfLaplace(ens.nets, Categorical(), prior_precision=1.0).fit(x, y)
+        >>> probs = mola.predict(x_test)                  # mixture probit, eq. (1)
+        >>> probs_mc = mola.predict(x_test, method="mc", num_samples=1000)
+    """
+
+    def __init__(
+        self,
+        nets: Sequence[nn.Module],
+        likelihood: Likelihood | Sequence[Likelihood],
+        subset: str | Callable[[nn.Module], Subspace] | Sequence[Subspace] = "last_layer",
+        weights: str | Sequence[float] | torch.Tensor = "uniform",
+        prior_precision: float = 1.0,
+        prior_mean: str = "zero",
+        temperature: float = 1.0,
+        chunk_size: int = 1024,
+    ) -> None:
+        self.nets = _check_nets(nets)
+        k = len(self.nets)
+        self.likelihoods = _check_likelihoods(likelihood, k)
+        self.likelihood = self.likelihoods[0]
+        if isinstance(subset, str):
+            if subset != "last_layer":
+                raise ValueError(
+                    f"subset: expected 'last_layer', a function net -> Subspace or a list of "
+                    f"{k} Subspaces, got {subset!r}"
+                )
+        elif not callable(subset):
+            subs = list(subset) if isinstance(subset, Sequence) else None
+            if subs is None or len(subs) != k or not all(isinstance(s, Subspace) for s in subs):
+                raise ValueError(f"subset: expected a list of {k} Subspaces, got {subset!r}")
+        if isinstance(weights, str):
+            if weights not in WEIGHTS:
+                raise ValueError(
+                    f"weights: expected one of {WEIGHTS} or K numbers, got {weights!r}"
+                )
+            fixed = None
+        else:
+            fixed = torch.as_tensor(weights, dtype=torch.float64).reshape(-1)
+            if fixed.numel() != k or not bool(torch.isfinite(fixed).all()):
+                raise ValueError(f"weights: expected {k} finite numbers, got {weights!r}")
+            if bool((fixed < 0).any()) or not float(fixed.sum()) > 0:
+                raise ValueError(
+                    f"weights: expected non-negative weights with a positive sum, got {weights!r}"
+                )
+        bad = isinstance(prior_precision, bool) or not isinstance(prior_precision, (int, float))
+        if bad or not 0 < prior_precision < math.inf:
+            raise ValueError(
+                f"prior_precision: expected a positive number, got {prior_precision!r}"
+            )
+        if prior_mean not in ("zero", "shift"):
+            raise ValueError(f"prior_mean: expected 'zero' or 'shift', got {prior_mean!r}")
+        self.subset = subset
+        self.weight_rule = "fixed" if fixed is not None else weights
+        self.weights = (
+            fixed / fixed.sum() if fixed is not None else torch.full((k,), 1.0 / k).double()
+        )
+        self.prior_precision = float(prior_precision)
+        self.prior_mean = prior_mean
+        self.temperature = temperature
+        self.chunk_size = chunk_size
+        self.members: list[tuple[SubspaceNet, AutoSubspaceLaplace]] = []
+        self.log_evidences: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ fitting
+
+    def _subspace(self, i: int, net: nn.Module) -> Subspace:
+        if self.subset == "last_layer":
+            return subnetwork(net, strategy="last_layer")
+        if callable(self.subset):
+            sub = self.subset(net)
+            if not isinstance(sub, Subspace):
+                raise TypeError(
+                    f"subset: the function returned {type(sub).__name__}, not a Subspace"
+                )
+            return sub
+        return self.subset[i]
+
+    def fit(self, x: torch.Tensor, y: torch.Tensor, find_map: bool = False) -> MixtureOfLaplace:
+        """Fit the ``K`` Laplace approximations (GGN at each network's weights); returns ``self``.
+
+        Args:
+            x: training inputs ``(N, ...)``; y: targets ``(N,)``.
+            find_map: refine each member's mode in its subspace by Gauss–Newton first
+                (`AutoSubspaceLaplace.fit`); ``False`` keeps ``μ^(k) = ŵ^(k)``, right when the
+                networks were trained to the MAP of the same prior (weight decay ``λ/N``).
+        """
+        check_inputs(x)
+        self.members = []
+        for i, (net, lik) in enumerate(zip(self.nets, self.likelihoods)):
+            sub = self._subspace(i, net)
+            model = SubspaceNet(net, sub, lik, temperature=self.temperature)
+            guide = AutoSubspaceLaplace(
+                model,
+                prior_precision=self.prior_precision,
+                prior_mean=self.prior_mean,
+                chunk_size=self.chunk_size,
+            )
+            guide.fit(x, y, find_map=find_map)
+            self.members.append((model, guide))
+        self._update_weights()
+        return self
+
+    def _update_weights(self) -> None:
+        self.log_evidences = torch.stack(
+            [guide.log_marginal_likelihood().detach() for _, guide in self.members]
+        ).double()
+        if self.weight_rule == "evidence":  # uniform prior over members: eq. (13) of E.1
+            self.weights = torch.softmax(self.log_evidences, 0)
+
+    def _check_fitted(self) -> None:
+        if not self.members:
+            raise RuntimeError(f"{type(self).__name__}: call fit(x, y) first")
+
+    def optimize_prior_precision(
+        self,
+        method: str = "grid",
+        x_val: torch.Tensor | None = None,
+        y_val: torch.Tensor | None = None,
+        grid: torch.Tensor | None = None,
+    ) -> MixtureOfLaplace:
+        """Tune the prior precision after fitting (MoLA B.2, "post-hoc tuning"); returns ``self``.
+
+        - ``"grid"``: one ``λ`` shared by all members (the paper's assumption), the grid value
+          (default ``10^-4 … 10^4``, 33 values) that maximises the mixture's probit (or,
+          regression, mixture-density) log-likelihood of ``(x_val, y_val)``. The Jacobians of the
+          validation inputs are computed once per member; each ``λ`` costs ``K`` small inverses.
+        - ``"marglik"``: each member maximises its own Laplace evidence
+          (`AutoSubspaceLaplace.optimize_prior_precision`), so the ``λ`` differ.
+
+        Evidence-based mixture weights are recomputed afterwards.
+        """
+        self._check_fitted()
+        if method == "marglik":
+            for _, guide in self.members:
+                guide.optimize_prior_precision("marglik")
+        elif method == "grid":
+            if x_val is None or y_val is None:
+                raise ValueError("x_val, y_val: the grid method needs validation data")
+            check_inputs(x_val, "x_val")
+            grid = torch.logspace(-4, 4, 33, dtype=torch.float64) if grid is None else grid
+            grid = torch.as_tensor(grid, dtype=torch.float64).reshape(-1)
+            if grid.numel() == 0 or not bool(torch.isfinite(grid).all()) or bool((grid <= 0).any()):
+                raise ValueError(f"grid: expected positive finite precisions, got {grid}")
+            scores = self._grid_scores(x_val, y_val, grid)
+            best = grid[int(scores.argmax())]
+            for _, guide in self.members:  # a one-point grid sets λ and updates Σ
+                guide.optimize_prior_precision(
+                    "grid", x_val=x_val[:1], y_val=y_val[:1], grid=best[None]
+                )
+            self.prior_precision = float(best)
+            self.grid_scores = scores
+        else:
+            raise ValueError(f"method: expected 'grid' or 'marglik', got {method!r}")
+        self._update_weights()
+        return self
+
+    def _grid_scores(self, x: torch.Tensor, y: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        blocks = []
+        for model, guide in self.members:
+            w = model.subspace.weights(guide.loc).detach()
+            parts = list(
+                subspace_jacobians(model.flat.net, x, model.subspace, self.chunk_size, w=w)
+            )
+            blocks.append(
+                (
+                    torch.cat([p[0] for p in parts]).double(),
+                    torch.cat([p[1] for p in parts]).double(),
+                )
+            )
+        scores = []
+        for lam in grid:
+            comps = []
+            for (model, guide), (f_mean, jp) in zip(self.members, blocks):
+                post = guide.ggn / guide.temperature + guide.prior_precision_matrix(lam)
+                sigma = torch.cholesky_inverse(torch.linalg.cholesky(post))
+                f_cov = torch.einsum("nok,kj,npj->nop", jp, sigma, jp)
+                comps.append(_from_moments(model.likelihood, f_mean, f_cov))
+            scores.append(self._log_prob_from(self.weights, _stack(comps), y).mean())
+        return torch.stack(scores)
+
+    # ------------------------------------------------------------------ prediction
+
+    def components(
+        self,
+        x: torch.Tensor,
+        method: str = "auto",
+        num_samples: int = 1000,
+        seed: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+        """Mixture weights and per-component predictives (`MixturePredictor`).
+
+        Args:
+            x: inputs ``(N, ...)``.
+            method: ``"probit"`` (classification default): eq. (6) per member, ``K``
+                components; ``"closed_form"`` (regression default): each member's linearised
+                Gaussian ``N(m^(k), C^(k) + σ²)``, ``K`` components; ``"mc"``
+                (classification): per member the average of ``softmax(f)`` over
+                ``num_samples`` draws ``f ~ N(m^(k), C^(k))``, ``K`` components;
+                ``"sample"``: ``num_samples`` weight draws per member pushed through the
+                network (eq. 4, no linearisation), ``K·S`` components of weight ``π^(k)/S``.
+            num_samples, seed: Monte Carlo draws (member ``k`` uses ``seed + k``).
+
+        Returns:
+            ``(weights, comp)`` as in the module docstring of `ensembles`.
+        """
+        self._check_fitted()
+        if method not in METHODS:
+            raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+        check_inputs(x)
+        if method == "auto":
+            method = "closed_form" if self.is_regression else "probit"
+        if self.is_regression and method in ("probit", "mc"):
+            raise ValueError(f"method: regression uses 'closed_form' or 'sample', got {method!r}")
+        if not self.is_regression and method == "closed_form":
+            raise ValueError(
+                "method: 'closed_form' is for regression; use 'probit', 'mc' or 'sample'"
+            )
+        if method == "sample":
+            outs, weights = [], []
+            for k, (model, guide) in enumerate(self.members):
+                w = guide.sample_weights(num_samples, seed=seed + k)
+                with torch.no_grad(), eval_mode(model.flat.net):
+                    out = model.flat(w.to(model.subspace.shift), x)
+                outs.append(out)
+                weights.append(self.weights[k].expand(num_samples) / num_samples)
+            return torch.cat(weights), member_predictives(self.likelihoods, outs)
+        comps = []
+        for k, (model, guide) in enumerate(self.members):
+            if method == "mc":
+                comps.append(
+                    linearized_predictive(
+                        guide, x, method="mc", num_samples=num_samples, seed=seed + k
+                    )
+                )
+            else:
+                f_mean, f_cov = linearized_moments(guide, x)
+                comps.append(_from_moments(model.likelihood, f_mean, f_cov))
+        return self.weights.to(x.device), _stack(comps)
+
+    def logit_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output mixture of eq. (8): means ``(K, N, O)`` and covariances ``(K, N, O, O)``."""
+        self._check_fitted()
+        check_inputs(x)
+        moments = [linearized_moments(guide, x) for _, guide in self.members]
+        return torch.stack([m for m, _ in moments]), torch.stack([c for _, c in moments])
+
+    def _log_prob_from(self, weights, comp, y) -> torch.Tensor:
+        holder = _Fixed(self.likelihood, weights, comp)
+        return holder.log_prob(None, y)
+
+
+class LastLayerLaplace(MixtureOfLaplace):
+    """The last-layer Laplace approximation (LLLA; Kristiadi et al., 2020; MoLA A.2) of one network.
+
+    Exactly `MixtureOfLaplace` with ``K = 1``: ``N(vec(W_MAP), (H_W + λI)⁻¹)`` over the last
+    layer, the probit predictive of eq. (6). Same arguments (``subset`` etc.) with one ``net``.
+    """
+
+    def __init__(self, net: nn.Module, likelihood: Likelihood, **kwargs: object) -> None:
+        if not isinstance(net, nn.Module):
+            raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
+        super().__init__([net], likelihood, **kwargs)
+
+
+class _Fixed(MixturePredictor):
+    """Wraps precomputed ``(weights, comp)`` to reuse `MixturePredictor.log_prob`."""
+
+    def __init__(self, likelihood, weights, comp) -> None:
+        self.likelihood, self._out = likelihood, (weights, comp)
+
+    def components(self, x, **kwargs):
+        return self._out
+
+
+def _from_moments(lik: Likelihood, f_mean: torch.Tensor, f_cov: torch.Tensor):
+    """One component's predictive from its Gaussian outputs ``(N, O)``, ``(N, O, O)``."""
+    if isinstance(lik, Gaussian):
+        var_f = f_cov.diagonal(dim1=-2, dim2=-1)
+        with torch.no_grad():
+            _, scale = lik.loc_scale(f_mean.to(torch.get_default_dtype()))
+        noise = scale.double().square()
+        if lik.heteroscedastic:
+            return f_mean[:, :1], var_f[:, :1] + noise[:, None]
+        return f_mean, var_f + noise.reshape(f_mean.shape)
+    return probit(f_mean, f_cov, lik)  # Categorical (N, C) or Bernoulli (N,)
+
+
+def _stack(comps: list) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(comps[0], tuple):
+        return torch.stack([c[0] for c in comps]), torch.stack([c[1] for c in comps])
+    return torch.stack(comps)
+
+
+def far_away_confidence_bound(mola: MixtureOfLaplace) -> float:
+    """The asymptotic confidence bound of MoLA Theorem 2 (Lemma 1 for ``K = 1``), section B.1.
+
+    For a fitted last-layer MoLA whose last layer has no bias, as ``δ → ∞``:
+
+        max_c p_MoLA(y = c | δx) ≤ Σ_k π^(k) max_c 1 / (1 + Σ_{i≠c} exp(−(b_i^(k) + b_c^(k)))),
+        b_i^(k) = ‖μ_(i)^(k)‖ / √(π/8 · λ_min(Σ_(i)^(k))),
+
+    with ``μ_(i)``, ``Σ_(i)`` the posterior mean and covariance of row ``i`` of the last weight
+    matrix. (The paper states it for the predicted class ``c_*``; the max over ``c`` is a
+    bound for any class.) Returns the bound, a float in ``[1/C, 1]``.
+    """
+    mola._check_fitted()
+    total = 0.0
+    for pi, (model, guide) in zip(mola.weights.tolist(), mola.members):
+        net = model.flat.net
+        last = [m for m in net.modules() if list(m.parameters(recurse=False))][-1]
+        params = list(last.parameters(recurse=False))
+        if len(params) != 1 or params[0].dim() != 2:
+            raise ValueError(
+                "mola: the bound of MoLA B.1 needs a last layer with a weight matrix and no bias"
+            )
+        c, p = params[0].shape
+        sub = model.subspace
+        if not sub.is_index or sub.rank != c * p:
+            raise ValueError(
+                "mola: the bound needs subset='last_layer' (the last weight matrix only)"
+            )
+        mu = (sub.shift[sub.basis].double() + guide.loc).reshape(c, p)
+        cov = guide.covariance
+        b = torch.stack([
+            mu[i].norm() / (math.pi / 8 * torch.linalg.eigvalsh(cov[i * p : (i + 1) * p, i * p : (i + 1) * p])[0]).sqrt()
+            for i in range(c)
+        ])  # fmt: skip
+        pair = b[:, None] + b[None, :]
+        off = torch.exp(-pair) * (1 - torch.eye(c, dtype=b.dtype))
+        total += pi * float((1 / (1 + off.sum(1))).max())
+    return total

@@ -1,0 +1,216 @@
+"""MixtureOfLaplace and LastLayerLaplace against closed forms and brute-force Monte Carlo."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from pyro_subspace import FlatNet, likelihoods
+from pyro_subspace.infer.ensembles import train_ensemble
+from pyro_subspace.infer.mixture_laplace import (
+    LastLayerLaplace,
+    MixtureOfLaplace,
+    far_away_confidence_bound,
+)
+
+
+def _blobs(n=60, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    centres = torch.tensor([[2.0, 0.0], [-1.0, 1.7], [-1.0, -1.7]])
+    y = torch.arange(n) % 3
+    return centres[y] + 0.6 * torch.randn(n, 2, generator=gen), y
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """Three small ReLU classifiers (with biases) trained from different seeds."""
+    x, y = _blobs()
+    make = lambda: nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 3))
+    ens = train_ensemble(make, likelihoods.Categorical(), x, y, n_members=3, progress=False,
+                         epochs=150, lr=0.03, weight_decay=1e-2)  # fmt: skip
+    return x, y, ens.nets
+
+
+def _closed_form_llla(net, x, y, lam, x_star):
+    """LLLA by hand: J_n = [I_C ⊗ φ_nᵀ, I_C] (weights row-major, then bias), exact Hessian."""
+    with torch.no_grad():
+        phi, phi_s = net[:-1](x).double(), net[:-1](x_star).double()
+        f, f_s = net(x).double(), net(x_star).double()
+    c = f.shape[1]
+    eye = torch.eye(c, dtype=torch.float64)
+
+    def jac(p):
+        return torch.cat([torch.kron(eye, p[None, :]), eye], dim=1)  # (C, C·P + C)
+
+    p = f.softmax(-1)
+    h = sum(jac(pn).T @ (torch.diag(q) - torch.outer(q, q)) @ jac(pn) for pn, q in zip(phi, p))
+    cov = torch.linalg.inv(h + lam * torch.eye(h.shape[0], dtype=torch.float64))
+    var = torch.stack([torch.diag(jac(pn) @ cov @ jac(pn).T) for pn in phi_s])
+    return cov, (f_s / (1 + math.pi / 8 * var).sqrt()).softmax(-1)
+
+
+def test_one_member_equals_llla_and_the_closed_form(trained):
+    x, y, nets = trained
+    lam = 0.6  # N·wd, the prior the networks were trained with
+    lik = likelihoods.Categorical()
+    x_star = torch.randn(9, 2) * 2
+    mola = MixtureOfLaplace(nets[:1], lik, prior_precision=lam).fit(x, y)
+    llla = LastLayerLaplace(nets[0], lik, prior_precision=lam).fit(x, y)
+    assert torch.equal(mola.predict(x_star), llla.predict(x_star))
+    assert torch.equal(mola.weights, torch.ones(1, dtype=torch.float64))
+    cov, probs = _closed_form_llla(nets[0], x, y, lam, x_star)
+    # float32 network, float64 closed form
+    assert torch.allclose(llla.members[0][1].covariance, cov, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(llla.predict(x_star), probs, atol=1e-6)
+
+
+def _brute_force_softmax(mola, x, num_samples, seed):
+    """Σ_k π_k E[softmax(f(x; w))], w ~ N(μ_k, Σ_k) over the last layer, by plain sampling."""
+    gen = torch.Generator().manual_seed(seed)
+    per_member, logit_moments = [], []
+    for model, guide in mola.members:
+        sub = model.subspace
+        mu = sub.shift[sub.basis].double() + guide.loc
+        chol = torch.linalg.cholesky(guide.covariance)
+        t = mu + torch.randn(num_samples, mu.numel(), generator=gen, dtype=torch.float64) @ chol.T
+        w = sub.shift.double().expand(num_samples, -1).clone()
+        w[:, sub.basis] = t
+        logits = FlatNet(model.flat.net, batch_strategy="vmap")(w.float(), x).double()
+        per_member.append(logits.softmax(-1))
+        logit_moments.append((logits.mean(0), logits.var(0)))
+    return per_member, logit_moments
+
+
+def test_mixture_probit_and_mc_against_brute_force_monte_carlo(trained):
+    x, y, nets = trained
+    mola = MixtureOfLaplace(nets, likelihoods.Categorical(), prior_precision=0.6).fit(x, y)
+    x_star = torch.cat([x[:4], torch.randn(4, 2) * 3])
+    s = 20_000
+    per_member, moments = _brute_force_softmax(mola, x_star, s, seed=123)
+    brute = sum(pi * p.mean(0) for pi, p in zip(mola.weights, per_member))
+    se = torch.sqrt(sum(pi**2 * p.var(0) for pi, p in zip(mola.weights, per_member)) / s)
+    # Monte Carlo over each component's Gaussian on the logits: equal within MC error
+    mc = mola.predict(x_star, method="mc", num_samples=s, seed=7)
+    assert ((mc - brute).abs() <= 5 * math.sqrt(2) * se + 1e-6).all()
+    # eq. (1): the probit mixture built from the brute-force logit means and variances
+    probit = mola.predict(x_star)
+    from_samples = sum(
+        pi * (m / (1 + math.pi / 8 * v).sqrt()).softmax(-1)
+        for pi, (m, v) in zip(mola.weights, moments)
+    )
+    assert (probit - from_samples).abs().max() < 0.01  # MC error of the sample moments
+    # the MPA (eq. 6) itself approximates E[softmax]; its error is not Monte Carlo error: it
+    # shrinks the confident class by a few percent here (measured 0.056 at most), and keeps
+    # the predicted class
+    assert (probit - brute).abs().max() < 0.08
+    assert torch.equal(probit.argmax(-1), brute.argmax(-1))
+    # components: K per-member probabilities with the uniform weights of eq. (7)
+    weights, comp = mola.components(x_star)
+    assert comp.shape == (3, 8, 3) and torch.allclose(weights, torch.full((3,), 1 / 3).double())
+
+
+def test_far_away_confidence_map_tends_to_one_laplace_stays_below_the_bound():
+    x, y = _blobs()
+    make = lambda: nn.Sequential(  # a ReLU network without biases (MoLA B.1)
+        nn.Linear(2, 16, bias=False), nn.ReLU(), nn.Linear(16, 16, bias=False), nn.ReLU(),
+        nn.Linear(16, 3, bias=False),
+    )  # fmt: skip
+    ens = train_ensemble(make, likelihoods.Categorical(), x, y, n_members=3, progress=False,
+                         epochs=150, lr=0.03, weight_decay=1e-2)  # fmt: skip
+    lik, lam = likelihoods.Categorical(), 0.6
+    mola = MixtureOfLaplace(ens.nets, lik, prior_precision=lam).fit(x, y)
+    llla = LastLayerLaplace(ens.nets[0], lik, prior_precision=lam).fit(x, y)
+    bounds = {"mola": far_away_confidence_bound(mola), "llla": far_away_confidence_bound(llla)}
+    # the bound by hand: b_i = ‖μ_(i)‖ / √(π/8 λ_min(Σ_(i))) per row of the last weight matrix
+    _, guide = llla.members[0]
+    mu = ens.nets[0][-1].weight.detach().double()
+    cov = guide.covariance
+    b = torch.stack([
+        mu[i].norm() / (math.pi / 8 * torch.linalg.eigvalsh(cov[16 * i : 16 * i + 16, 16 * i : 16 * i + 16]).min()).sqrt()
+        for i in range(3)
+    ])  # fmt: skip
+    by_hand = max(
+        1 / (1 + sum(math.exp(-(b[i] + b[c])) for i in range(3) if i != c)) for c in range(3)
+    )
+    assert bounds["llla"] == pytest.approx(float(by_hand), rel=1e-10)
+    assert bounds["mola"] < 0.99 and bounds["llla"] < 0.99
+    x_star = torch.randn(20, 2)
+    for delta in (1e2, 1e4, 1e6):
+        with torch.no_grad():
+            conf_map = ens.nets[0](delta * x_star).softmax(-1).max(-1).values
+        if delta >= 1e4:
+            assert (conf_map > 1 - 1e-6).all()
+        for name, method in (("mola", mola), ("llla", llla)):
+            conf = method.predict(delta * x_star).max(-1).values
+            assert (conf <= bounds[name] + 1e-9).all(), (name, delta, conf.max())
+
+
+def test_linear_gaussian_members_are_the_exact_posterior_and_evidence():
+    torch.manual_seed(0)
+    x = torch.linspace(-2, 2, 30)[:, None]
+    y = torch.sin(2 * x[:, 0]) + 0.1 * torch.randn(30)
+    nets = [nn.Sequential(nn.Linear(1, 6), nn.Tanh(), nn.Linear(6, 1)).double() for _ in range(2)]
+    sigma, lam = 0.3, 2.0
+    lik = likelihoods.Gaussian(sigma=sigma)
+    mola = MixtureOfLaplace(nets, lik, weights="evidence", prior_precision=lam)
+    mola.fit(x.double(), y.double(), find_map=True)
+    x_star = torch.linspace(-3, 3, 7, dtype=torch.float64)[:, None]
+    weights, (means, variances) = mola.components(x_star)
+    log_dens, exact_ev = [], []
+    for k, net in enumerate(nets):
+        with torch.no_grad():
+            phi = torch.cat([net[:-1](x.double()), torch.ones(30, 1, dtype=torch.float64)], 1)
+            phi_s = torch.cat([net[:-1](x_star), torch.ones(7, 1, dtype=torch.float64)], 1)
+        a = phi.T @ phi / sigma**2 + lam * torch.eye(7, dtype=torch.float64)
+        cov = torch.linalg.inv(a)
+        mean = cov @ phi.T @ y.double() / sigma**2
+        model, guide = mola.members[k]
+        sub = model.subspace
+        assert torch.allclose(sub.shift[sub.basis] + guide.loc, mean, atol=1e-6)
+        assert torch.allclose(guide.covariance, cov, atol=1e-8)
+        m_s, v_s = phi_s @ mean, ((phi_s @ cov) * phi_s).sum(1) + sigma**2
+        assert torch.allclose(means[k, :, 0], m_s, atol=1e-6)
+        assert torch.allclose(variances[k, :, 0], v_s, atol=1e-8)
+        log_dens.append(torch.distributions.Normal(m_s, v_s.sqrt()))
+        marginal = phi @ phi.T / lam + sigma**2 * torch.eye(30, dtype=torch.float64)
+        exact_ev.append(
+            torch.distributions.MultivariateNormal(torch.zeros(30, dtype=torch.float64), marginal)
+            .log_prob(y.double())
+        )  # fmt: skip
+    # the Laplace evidence of a linear-Gaussian member is exact; weights ∝ evidence (E.1)
+    exact_ev = torch.stack(exact_ev)
+    assert torch.allclose(mola.log_evidences, exact_ev, atol=1e-6)
+    assert torch.allclose(weights, torch.softmax(exact_ev, 0), atol=1e-6)
+    y_star = torch.sin(2 * x_star[:, 0])
+    mix = torch.logsumexp(
+        torch.stack([w.log() + d.log_prob(y_star) for w, d in zip(weights, log_dens)]), 0
+    )
+    assert torch.allclose(mola.log_prob(x_star, y_star), mix, atol=1e-6)
+    mean, var = mola.predict(x_star)
+    mu = (weights[:, None] * means[:, :, 0]).sum(0)
+    second = (weights[:, None] * (variances[:, :, 0] + means[:, :, 0] ** 2)).sum(0)
+    assert torch.allclose(mean[:, 0], mu) and torch.allclose(var[:, 0], second - mu**2)
+
+
+def test_bad_arguments_and_unfitted_use(trained):
+    x, y, nets = trained
+    lik = likelihoods.Categorical()
+    with pytest.raises(ValueError, match="subset"):
+        MixtureOfLaplace(nets, lik, subset="all")
+    with pytest.raises(ValueError, match="weights"):
+        MixtureOfLaplace(nets, lik, weights=[1.0, -1.0, 1.0])
+    with pytest.raises(ValueError, match="weights"):
+        MixtureOfLaplace(nets, lik, weights="marglik")
+    with pytest.raises(ValueError, match="prior_precision"):
+        MixtureOfLaplace(nets, lik, prior_precision=0.0)
+    with pytest.raises(TypeError, match="nets"):
+        MixtureOfLaplace(nets[0], lik)
+    mola = MixtureOfLaplace(nets, lik)
+    with pytest.raises(RuntimeError, match="fit"):
+        mola.predict(x)
+    mola.fit(x, y)
+    with pytest.raises(ValueError, match="method"):
+        mola.predict(x, method="closed_form")
+    with pytest.raises(ValueError, match="x_val"):
+        mola.optimize_prior_precision("grid")
