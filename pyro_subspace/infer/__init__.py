@@ -1,12 +1,24 @@
 """Inference that Pyro lacks: kernels and guides for subspace models."""
 
+from .ensembles import DeepEnsemble, MixturePredictor, TrainedEnsemble, train_ensemble
 from .ess import EllipticalSliceSampler
 from .laplace import AutoSubspaceLaplace, linearized_moments, linearized_predictive, probit
+from .mixture_laplace import LastLayerLaplace, MixtureOfLaplace, far_away_confidence_bound
+from .swag import SWAG, MultiSWAG
 
 __all__ = [
+    "SWAG",
     "AutoSubspaceLaplace",
+    "DeepEnsemble",
     "EllipticalSliceSampler",
+    "LastLayerLaplace",
+    "MixtureOfLaplace",
+    "MixturePredictor",
+    "MultiSWAG",
+    "TrainedEnsemble",
+    "far_away_confidence_bound",
     "linearized_moments",
     "linearized_predictive",
     "probit",
+    "train_ensemble",
 ]
