@@ -25,12 +25,12 @@ from pyro.infer.autoguide import AutoNormal
 from torch import nn
 
 from . import datasets, likelihoods, metrics, subspaces
-from .infer import EllipticalSliceSampler
+from .infer import AutoSubspaceLaplace, EllipticalSliceSampler, linearized_predictive
 from .nn import SubspaceNet
 from .train import fit_map
 
-SUBSPACES = ("pca", "random")
-INFERENCE = ("ess", "nuts", "hmc", "vi")
+SUBSPACES = ("pca", "random", "subnetwork", "ggn")
+INFERENCE = ("ess", "nuts", "hmc", "vi", "laplace")
 DATASETS = ("toy", "in_between", "diabetes", "csv")
 
 
@@ -50,7 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--inference",
         choices=INFERENCE,
         default="ess",
-        help="ess: elliptical slice sampling, the paper's recommendation (default)",
+        help="ess: elliptical slice sampling, the paper's recommendation (default); "
+        "laplace: the linearised Laplace guide (with --subspace subnetwork or ggn: "
+        "Subnetwork Inference's subnetwork / a low-rank Laplace)",
+    )
+    p.add_argument(
+        "--laplace-prior",
+        choices=("marglik", "fixed"),
+        default="marglik",
+        help="laplace: tune the prior precision by the Laplace evidence, or keep 1/prior-scale^2",
     )
     p.add_argument(
         "--temperature",
@@ -140,6 +148,34 @@ def posterior_draws(model: SubspaceNet, args: argparse.Namespace, x, y) -> torch
     return draws.reshape(-1, model.rank)
 
 
+def _subspace(
+    kind: str, net: nn.Module, lik, data: datasets.Dataset, rank: int, args
+) -> subspaces.Subspace:
+    """A random, subnetwork (diagonal-Laplace selection) or GGN-eigen subspace at ``net``."""
+    if kind == "random":
+        return subspaces.random(net, rank, seed=args.seed)
+    if kind == "subnetwork":
+        return subspaces.subnetwork(
+            net,
+            rank,
+            strategy="diag_laplace",
+            likelihood=lik,
+            x=data.x_train,
+            prior_precision=1 / args.prior_scale**2,
+        )
+    return subspaces.ggn_eigen(net, lik, data.x_train, rank, seed=args.seed)
+
+
+def _laplace(model: SubspaceNet, args, data: datasets.Dataset):
+    """Fit the Laplace guide; returns draws of ``t`` and the GLM predictive on the test set."""
+    guide = AutoSubspaceLaplace(model).fit(data.x_train, data.y_train)
+    if args.laplace_prior == "marglik":
+        guide.optimize_prior_precision("marglik")
+    draws = guide.get_posterior().sample((args.samples,)).to(data.x_train.dtype)
+    mean, var = linearized_predictive(guide, data.x_test)
+    return draws, (mean[:, 0].float()[None], var[:, 0].float()[None])  # one mixture component
+
+
 def run(args: argparse.Namespace) -> dict:
     """The default job; returns the results table as a dict and writes ``out/``."""
     torch.manual_seed(args.seed)
@@ -190,10 +226,14 @@ def run(args: argparse.Namespace) -> dict:
         sub = subspaces.pca(collector, rank, seed=args.seed)
     else:
         nn.utils.vector_to_parameters(collector.mean, net.parameters())
-        sub = subspaces.random(net, rank, seed=args.seed)
+        sub = _subspace(args.subspace, net, lik, data, rank, args)
     model = SubspaceNet(net, sub, lik, prior_scale=args.prior_scale, temperature=temperature)
     t1 = time.perf_counter()
-    t = posterior_draws(model, args, data.x_train, data.y_train)
+    glm = None
+    if args.inference == "laplace":
+        t, glm = _laplace(model, args, data)
+    else:
+        t = posterior_draws(model, args, data.x_train, data.y_train)
     t_infer = time.perf_counter() - t1
 
     sigma2 = lik.sigma.detach() ** 2
@@ -206,6 +246,8 @@ def run(args: argparse.Namespace) -> dict:
             post_out, sigma2.expand_as(post_out), data.y_test
         ),
     }
+    if glm is not None:
+        rows["LAPLACE (GLM)"] = metrics.regression_scores(glm[0], glm[1], data.y_test)
     results = {
         "dataset": data.name,
         "subspace": args.subspace,
@@ -233,11 +275,11 @@ def _table(results: dict) -> str:
     )
     lines = [
         header,
-        f"{'method':<14}{'test NLL':>10}{'NLL (MM)':>10}{'RMSE':>8}{'cover95':>9}",
+        f"{'method':<20}{'test NLL':>10}{'NLL (MM)':>10}{'RMSE':>8}{'cover95':>9}",
     ]
     for name, r in results["rows"].items():
         lines.append(
-            f"{name:<14}{r['nll']:>10.3f}{r['nll_moment_matched']:>10.3f}"
+            f"{name:<20}{r['nll']:>10.3f}{r['nll_moment_matched']:>10.3f}"
             f"{r['rmse']:>8.3f}{r['coverage95']:>9.3f}"
         )
     return "\n".join(lines)
@@ -266,7 +308,9 @@ def _plot(args, data: datasets.Dataset, model: SubspaceNet, t: torch.Tensor, sig
         with torch.no_grad():
             f = model.outputs(t, data.x_test)[..., 0]
         mu, var = metrics.moment_match(f, torch.full_like(f, sigma2))
-        ax.errorbar(data.y_test, mu, yerr=1.96 * var.sqrt(), fmt="o", ms=3, alpha=0.6)
+        ax.errorbar(
+            data.y_test, mu, yerr=1.96 * var.sqrt(), fmt="o", ms=3, alpha=0.6, label="95% band"
+        )
         lim = [float(data.y_test.min()), float(data.y_test.max())]
         ax.plot(lim, lim, "k--", lw=1)
         ax.set_xlabel("true y (standardised)")

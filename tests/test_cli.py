@@ -75,3 +75,18 @@ def test_grid_subcommand_runs_tutorial_06(monkeypatch):
     assert cli.execute(["grid"]) is None and ran == ["06"]
     with pytest.raises(SystemExit, match="usage: pyro-subspace grid"):
         cli.execute(["grid", "extra"])
+
+
+@pytest.mark.parametrize("subspace", ["subnetwork", "ggn"])
+def test_laplace_inference_in_a_subnetwork_or_ggn_subspace(tmp_path, subspace):
+    argv = ["--dataset", "diabetes", "--subspace", subspace, "--rank", "4", "--temperature", "1"]
+    results = cli.execute(TINY + argv + ["--inference", "laplace", "--out", str(tmp_path)])
+    rows = results["rows"]
+    assert results["rank"] == 4 and set(rows) == {
+        "MAP (SWA)",
+        f"{subspace.upper()}+LAPLACE",
+        "LAPLACE (GLM)",
+    }
+    # the GLM predictive adds variance to the MAP's: intervals can only widen
+    assert rows["LAPLACE (GLM)"]["coverage95"] >= rows["MAP (SWA)"]["coverage95"]
+    assert rows["LAPLACE (GLM)"]["rmse"] == pytest.approx(rows["MAP (SWA)"]["rmse"], rel=0.05)
