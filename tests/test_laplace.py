@@ -11,6 +11,7 @@ from pyro_subspace import SubspaceNet, likelihoods, subspaces
 from pyro_subspace.flat import FlatNet, eval_mode
 from pyro_subspace.infer import (
     AutoSubspaceLaplace,
+    DiagonalLaplace,
     linearized_moments,
     linearized_predictive,
     probit,
@@ -350,3 +351,17 @@ def test_bad_arguments_fail_early():
         guide.log_marginal_likelihood(sigma=1.0)
     with pytest.raises(ValueError, match="rank"):
         subspaces.ggn_eigen(net, lik, x, 0)
+
+
+def test_diagonal_laplace_covariance_against_dense_jacobians():
+    net, x, _, lik = small_classifier()
+    diag = DiagonalLaplace(net, lik, prior_precision=2.0, temperature=1.5).fit(x)
+    variance = 1 / (dense_ggn(net, lik, x).diagonal() / 1.5 + 2.0)
+    assert torch.allclose(diag.variance, variance, rtol=1e-10)
+    x_test = torch.randn(4, 2, dtype=torch.float64)
+    jac = dense_jacobian(net, x_test, FlatNet(net).vector())
+    f_mean, f_cov = linearized_moments(diag, x_test)
+    expected = jac @ torch.diag(variance) @ jac.transpose(1, 2)
+    assert torch.allclose(f_cov, expected, rtol=1e-10, atol=1e-14)
+    probs = linearized_predictive(diag, x_test)
+    assert torch.allclose(probs, probit(f_mean, f_cov, lik))

@@ -2,7 +2,13 @@
 
 from .ensembles import DeepEnsemble, MixturePredictor, TrainedEnsemble, train_ensemble
 from .ess import EllipticalSliceSampler
-from .laplace import AutoSubspaceLaplace, linearized_moments, linearized_predictive, probit
+from .laplace import (
+    AutoSubspaceLaplace,
+    DiagonalLaplace,
+    linearized_moments,
+    linearized_predictive,
+    probit,
+)
 from .mixture_laplace import LastLayerLaplace, MixtureOfLaplace, far_away_confidence_bound
 from .swag import SWAG, MultiSWAG
 
@@ -10,6 +16,7 @@ __all__ = [
     "SWAG",
     "AutoSubspaceLaplace",
     "DeepEnsemble",
+    "DiagonalLaplace",
     "EllipticalSliceSampler",
     "LastLayerLaplace",
     "MixtureOfLaplace",

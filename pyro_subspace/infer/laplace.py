@@ -27,8 +27,9 @@ import torch
 from pyro.distributions import MultivariateNormal
 from pyro.nn import PyroModule
 
-from ..curvature import full_jacobians, ggn_in_subspace, subspace_jacobians
-from ..likelihoods import Bernoulli, Categorical, Gaussian
+from ..curvature import full_jacobians, ggn_diagonal, ggn_in_subspace, subspace_jacobians
+from ..flat import FlatNet
+from ..likelihoods import Bernoulli, Categorical, Gaussian, check_temperature
 from ..nn import SubspaceNet
 
 PRIOR_MEANS = ("shift", "zero")
@@ -152,6 +153,10 @@ class AutoSubspaceLaplace(PyroModule):
     @property
     def fitted(self) -> bool:
         return self.temperature is not None
+
+    @property
+    def likelihood(self) -> Gaussian | Categorical | Bernoulli:
+        return self.model.likelihood
 
     def prior_precision_matrix(self, prior_precision: torch.Tensor | None = None) -> torch.Tensor:
         """``Λ₀`` ``(K, K)``: ``λ·PᵀP`` (``prior_mean="zero"``) or ``diag(λ)`` (``"shift"``)."""
@@ -467,11 +472,68 @@ class AutoSubspaceLaplace(PyroModule):
         return -self._num_obs / 2 * torch.log(2 * math.pi * sigma**2) - self._sse / (2 * sigma**2)
 
 
+class DiagonalLaplace:
+    """The diagonal (mean-field) linearised Laplace over all ``D`` weights: a baseline.
+
+    ``q(w) = N(ŵ, diag(1 / (g/T + λ)))`` with ``g = diag(G)`` the exact GGN diagonal
+    (`curvature.ggn_diagonal`) and the prior ``N(0, λ⁻¹ I)`` (Subnetwork Inference compares
+    against it in sections 6.1–6.2; its selection strategy uses the same variances, eq. 23).
+    Its predictive goes through `linearized_predictive` / `linearized_moments`.
+
+    Args:
+        net: the network at its MAP ``ŵ``.
+        likelihood: `Gaussian`, `Categorical` or `Bernoulli`.
+        prior_precision: ``λ > 0``.
+        temperature: ``T > 0``.
+        chunk_size: rows per Jacobian block (``None``: by the memory budget).
+    """
+
+    def __init__(
+        self,
+        net: torch.nn.Module,
+        likelihood: Gaussian | Categorical | Bernoulli,
+        prior_precision: float = 1.0,
+        temperature: float = 1.0,
+        chunk_size: int | None = None,
+    ) -> None:
+        if not isinstance(net, torch.nn.Module):
+            raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
+        if not isinstance(likelihood, (Gaussian, Categorical, Bernoulli)):
+            raise TypeError(f"likelihood: expected a pyro_subspace likelihood, got {likelihood!r}")
+        self.prior_precision = float(_check_precision(prior_precision, 1))
+        self.temperature = check_temperature(temperature)
+        self.net, self.likelihood, self.chunk_size = net, likelihood, chunk_size
+        self.variance: torch.Tensor | None = None
+
+    def fit(self, x: torch.Tensor) -> DiagonalLaplace:
+        """Compute the marginal variances ``1 / (g/T + λ)`` ``(D,)`` at the current weights."""
+        _check_data(x)
+        self.weights = FlatNet(self.net).vector().detach()
+        g = ggn_diagonal(self.net, self.likelihood, x, self.chunk_size, w=self.weights)
+        self.variance = 1 / (g.double() / self.temperature + self.prior_precision)
+        return self
+
+    def moments(
+        self, x: torch.Tensor, chunk_size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``f(x, ŵ)`` ``(N, O)`` and ``J diag(v) Jᵀ`` ``(N, O, O)``, float64."""
+        if self.variance is None:
+            raise RuntimeError("DiagonalLaplace: call fit(x) first")
+        _check_data(x)
+        means, covs = [], []
+        chunk = self.chunk_size if chunk_size is None else chunk_size
+        for out, jac in full_jacobians(self.net, x, chunk, w=self.weights):
+            jac = jac.double()
+            means.append(out.double())
+            covs.append(torch.einsum("nod,d,npd->nop", jac, self.variance, jac))
+        return torch.cat(means), torch.cat(covs)
+
+
 # ---------------------------------------------------------------------- predictives
 
 
 def linearized_moments(
-    guide: AutoSubspaceLaplace,
+    guide: AutoSubspaceLaplace | DiagonalLaplace,
     x: torch.Tensor,
     covariance: torch.Tensor | None = None,
     chunk_size: int | None = None,
@@ -482,8 +544,10 @@ def linearized_moments(
     ``f ~ N(f(x, w*), J_P Σ J_Pᵀ)`` per input, where ``J_P = ∂f/∂w · P`` is ``(O, K)``. With
     ``isotropic_remainder`` the covariance adds ``λ⁻¹ (J Jᵀ − J_P J_Pᵀ)`` (orthonormal ``P``).
 
+    A `DiagonalLaplace` gives ``Σ_d J_{·d} J_{·d}ᵀ / (g_d/T + λ)`` instead.
+
     Args:
-        guide: a fitted `AutoSubspaceLaplace`.
+        guide: a fitted `AutoSubspaceLaplace` (or `DiagonalLaplace`).
         x: inputs ``(N, ...)``.
         covariance: ``Σ`` ``(K, K)`` to use instead of the guide's (e.g. for a λ grid).
         chunk_size: rows per Jacobian block (default the guide's).
@@ -491,6 +555,8 @@ def linearized_moments(
     Returns:
         ``f_mean`` ``(N, O)`` and ``f_cov`` ``(N, O, O)``, float64.
     """
+    if isinstance(guide, DiagonalLaplace):
+        return guide.moments(x, chunk_size)
     means, covs = [], []
     for out, jp, _ in _jacobian_blocks(guide, x, chunk_size):
         sigma = guide.covariance if covariance is None else covariance
@@ -526,7 +592,7 @@ def _remainder(guide: AutoSubspaceLaplace, jp: torch.Tensor, jac: torch.Tensor) 
 
 
 def linearized_predictive(
-    guide: AutoSubspaceLaplace,
+    guide: AutoSubspaceLaplace | DiagonalLaplace,
     x: torch.Tensor,
     method: str = "auto",
     num_samples: int = 1000,
@@ -545,7 +611,7 @@ def linearized_predictive(
     - `Bernoulli`: ``"probit"``: ``sigmoid(f / √(1 + π/8 · Var f))``; or ``"mc"``.
 
     Args:
-        guide: a fitted `AutoSubspaceLaplace`.
+        guide: a fitted `AutoSubspaceLaplace` or `DiagonalLaplace`.
         x: inputs ``(N, ...)``.
         method: ``"auto"``, ``"closed_form"`` (regression), ``"probit"`` or ``"mc"``
             (classification).
@@ -562,7 +628,7 @@ def linearized_predictive(
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples: expected a positive int, got {num_samples!r}")
-    lik = guide.model.likelihood
+    lik = guide.likelihood
     regression = isinstance(lik, Gaussian)
     if regression and method not in ("auto", "closed_form"):
         raise ValueError(f"method: a Gaussian likelihood has the closed form only, got {method!r}")
