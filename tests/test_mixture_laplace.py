@@ -8,6 +8,7 @@ from torch import nn
 
 from pyro_subspace import FlatNet, likelihoods
 from pyro_subspace.infer.ensembles import train_ensemble
+from pyro_subspace.infer.laplace import linearized_moments
 from pyro_subspace.infer.mixture_laplace import (
     LastLayerLaplace,
     MixtureOfLaplace,
@@ -63,6 +64,11 @@ def test_one_member_equals_llla_and_the_closed_form(trained):
     # float32 network, float64 closed form
     assert torch.allclose(llla.members[0][1].covariance, cov, atol=1e-5, rtol=1e-4)
     assert torch.allclose(llla.predict(x_star), probs, atol=1e-6)
+    # the last-layer shortcut (features by a hook) equals the generic Jacobian path
+    f_mean, f_cov = llla.logit_moments(x_star)
+    ref_mean, ref_cov = linearized_moments(llla.members[0][1], x_star)
+    assert torch.allclose(f_mean[0], ref_mean, atol=1e-6)
+    assert torch.allclose(f_cov[0], ref_cov, atol=1e-8, rtol=1e-5)
 
 
 def _brute_force_softmax(mola, x, num_samples, seed):
@@ -108,6 +114,31 @@ def test_mixture_probit_and_mc_against_brute_force_monte_carlo(trained):
     # components: K per-member probabilities with the uniform weights of eq. (7)
     weights, comp = mola.components(x_star)
     assert comp.shape == (3, 8, 3) and torch.allclose(weights, torch.full((3,), 1 / 3).double())
+
+
+def test_prior_precision_tuning_scores_match_the_refitted_mixture(trained):
+    x, y, nets = trained
+    lik = likelihoods.Categorical()
+    x_val, y_val = _blobs(30, seed=5)
+    grid = torch.tensor([0.01, 0.3, 3.0, 30.0, 300.0], dtype=torch.float64)
+    mola = (
+        MixtureOfLaplace(nets, lik).fit(x, y).optimize_prior_precision("grid", x_val, y_val, grid)
+    )
+    best = int(mola.grid_scores[:, 0].argmax())
+    assert mola.prior_precision == pytest.approx(float(grid[best]))
+    # the eigendecomposition shortcut scores each λ like the refitted mixture's predictive
+    for i in (0, 2, 4):
+        ref = MixtureOfLaplace(nets, lik, prior_precision=float(grid[i])).fit(x, y)
+        lp = ref.log_prob(x_val, y_val).mean()
+        assert float(mola.grid_scores[i, 0]) == pytest.approx(float(lp), rel=1e-5)
+        mmc = ref.predict(x_val).max(-1).values.mean()
+        assert float(mola.grid_scores[i, 1]) == pytest.approx(float(mmc), rel=1e-5)
+    # the paper's rule (Appendix F): the smallest λ whose validation MMC reaches the threshold
+    mola.optimize_prior_precision("confidence", x_val, y_val, grid, threshold=0.9)
+    mmcs = mola.grid_scores[:, 1]
+    first = int((mmcs >= 0.9).nonzero()[0, 0])
+    assert mola.prior_precision == pytest.approx(float(grid[first]))
+    assert first == 0 or mmcs[first - 1] < 0.9
 
 
 def test_far_away_confidence_map_tends_to_one_laplace_stays_below_the_bound():

@@ -43,7 +43,7 @@ from .ensembles import (
     check_inputs,
     member_predictives,
 )
-from .laplace import AutoSubspaceLaplace, linearized_moments, linearized_predictive, probit
+from .laplace import AutoSubspaceLaplace, linearized_moments, probit
 
 __all__ = ["LastLayerLaplace", "MixtureOfLaplace", "far_away_confidence_bound"]
 
@@ -133,7 +133,9 @@ class MixtureOfLaplace(MixturePredictor):
         self.subset = subset
         self.weight_rule = "fixed" if fixed is not None else weights
         self.weights = (
-            fixed / fixed.sum() if fixed is not None else torch.full((k,), 1.0 / k).double()
+            fixed / fixed.sum()
+            if fixed is not None
+            else torch.full((k,), 1.0 / k, dtype=torch.float64)
         )
         self.prior_precision = float(prior_precision)
         self.prior_mean = prior_mean
@@ -198,65 +200,101 @@ class MixtureOfLaplace(MixturePredictor):
         x_val: torch.Tensor | None = None,
         y_val: torch.Tensor | None = None,
         grid: torch.Tensor | None = None,
+        threshold: float | None = None,
+        margin: float = 0.01,
     ) -> MixtureOfLaplace:
         """Tune the prior precision after fitting (MoLA B.2, "post-hoc tuning"); returns ``self``.
 
-        - ``"grid"``: one ``λ`` shared by all members (the paper's assumption), the grid value
-          (default ``10^-4 … 10^4``, 33 values) that maximises the mixture's probit (or,
-          regression, mixture-density) log-likelihood of ``(x_val, y_val)``. The Jacobians of the
-          validation inputs are computed once per member; each ``λ`` costs ``K`` small inverses.
+        One ``λ`` shared by all members (the paper's assumption) for the grid methods; the grid
+        (default ``10^-4 … 10^4``, 33 values) is searched with the Jacobians of the validation
+        inputs computed once per member, each ``λ`` costing ``K`` small inverses.
+
+        - ``"grid"``: the ``λ`` maximising the mixture's probit (regression: mixture-density)
+          log-likelihood of ``(x_val, y_val)``.
+        - ``"confidence"`` (classification; the paper's Appendix F): the *smallest* ``λ`` whose
+          mean validation confidence (MMC) reaches ``threshold``, by default "slightly below
+          the accuracy of MAP": the validation accuracy of the members' deep ensemble minus
+          ``margin``. If no ``λ`` reaches it, the largest.
         - ``"marglik"``: each member maximises its own Laplace evidence
           (`AutoSubspaceLaplace.optimize_prior_precision`), so the ``λ`` differ.
 
-        Evidence-based mixture weights are recomputed afterwards.
+        Evidence-based mixture weights are recomputed afterwards. After a grid method,
+        ``grid_scores`` ``(G, 2)`` holds the validation log-likelihood and MMC of each ``λ``.
         """
         self._check_fitted()
         if method == "marglik":
             for _, guide in self.members:
                 guide.optimize_prior_precision("marglik")
-        elif method == "grid":
-            if x_val is None or y_val is None:
-                raise ValueError("x_val, y_val: the grid method needs validation data")
-            check_inputs(x_val, "x_val")
-            grid = torch.logspace(-4, 4, 33, dtype=torch.float64) if grid is None else grid
-            grid = torch.as_tensor(grid, dtype=torch.float64).reshape(-1)
-            if grid.numel() == 0 or not bool(torch.isfinite(grid).all()) or bool((grid <= 0).any()):
-                raise ValueError(f"grid: expected positive finite precisions, got {grid}")
-            scores = self._grid_scores(x_val, y_val, grid)
-            best = grid[int(scores.argmax())]
-            for _, guide in self.members:  # a one-point grid sets λ and updates Σ
-                guide.optimize_prior_precision(
-                    "grid", x_val=x_val[:1], y_val=y_val[:1], grid=best[None]
+            self._update_weights()
+            return self
+        if method not in ("grid", "confidence"):
+            raise ValueError(f"method: expected 'grid', 'confidence' or 'marglik', got {method!r}")
+        if x_val is None or y_val is None:
+            raise ValueError(f"x_val, y_val: the {method!r} method needs validation data")
+        check_inputs(x_val, "x_val")
+        grid = torch.logspace(-4, 4, 33, dtype=torch.float64) if grid is None else grid
+        grid = torch.as_tensor(grid, dtype=torch.float64).reshape(-1)
+        if grid.numel() == 0 or not bool(torch.isfinite(grid).all()) or bool((grid <= 0).any()):
+            raise ValueError(f"grid: expected positive finite precisions, got {grid}")
+        if method == "confidence":
+            if self.is_regression:
+                raise ValueError("method: 'confidence' is for classification")
+            if threshold is None:
+                outs = [model.outputs(guide.loc, x_val).detach() for model, guide in self.members]
+                ens = torch.einsum(
+                    "m,m...->...", self.weights, member_predictives(self.likelihoods, outs)
                 )
-            self.prior_precision = float(best)
-            self.grid_scores = scores
+                threshold = _accuracy(ens, y_val) - margin
+            grid = grid.sort().values
+        scores = self._grid_scores(x_val, y_val, grid)
+        if method == "grid":
+            best = grid[int(scores[:, 0].argmax())]
         else:
-            raise ValueError(f"method: expected 'grid' or 'marglik', got {method!r}")
+            ok = (scores[:, 1] >= threshold).nonzero()
+            best = grid[int(ok[0, 0])] if ok.numel() else grid[-1]
+            self.confidence_threshold = float(threshold)
+        for _, guide in self.members:  # a one-point grid sets λ and updates Σ
+            guide.optimize_prior_precision(
+                "grid", x_val=x_val[:1], y_val=y_val[:1], grid=best[None]
+            )
+        self.prior_precision = float(best)
+        self.grid_scores = scores
         self._update_weights()
         return self
 
     def _grid_scores(self, x: torch.Tensor, y: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        """Validation log-likelihood and MMC (classification; else NaN) per ``λ``, ``(G, 2)``."""
+        # Σ(λ) = (G/T + λB)⁻¹ with B = Λ₀(1) = L Lᵀ: if L⁻¹ (G/T) L⁻ᵀ = U diag(e) Uᵀ then
+        # Σ(λ) = L⁻ᵀ U diag(1/(e + λ)) Uᵀ L⁻¹, so Var f = Σ_k (J_P L⁻ᵀ U)²_k / (e_k + λ):
+        # one eigendecomposition per member, then O(N·O·K) per λ.
         blocks = []
         for model, guide in self.members:
             w = model.subspace.weights(guide.loc).detach()
             parts = list(
                 subspace_jacobians(model.flat.net, x, model.subspace, self.chunk_size, w=w)
             )
-            blocks.append(
-                (
-                    torch.cat([p[0] for p in parts]).double(),
-                    torch.cat([p[1] for p in parts]).double(),
-                )
-            )
+            f_mean = torch.cat([p[0] for p in parts]).double()
+            jp = torch.cat([p[1] for p in parts]).double()
+            chol = torch.linalg.cholesky(guide.prior_precision_matrix(torch.tensor(1.0).double()))
+            a = torch.linalg.solve_triangular(chol, guide.ggn / guide.temperature, upper=False)
+            a = torch.linalg.solve_triangular(chol, a.T.contiguous(), upper=False)
+            e, u = torch.linalg.eigh((a + a.T) / 2)
+            ju = jp @ torch.linalg.solve_triangular(chol.T, u, upper=True)
+            blocks.append((f_mean, ju.square(), e.clamp_min(0.0)))
         scores = []
         for lam in grid:
             comps = []
-            for (model, guide), (f_mean, jp) in zip(self.members, blocks):
-                post = guide.ggn / guide.temperature + guide.prior_precision_matrix(lam)
-                sigma = torch.cholesky_inverse(torch.linalg.cholesky(post))
-                f_cov = torch.einsum("nok,kj,npj->nop", jp, sigma, jp)
-                comps.append(_from_moments(model.likelihood, f_mean, f_cov))
-            scores.append(self._log_prob_from(self.weights, _stack(comps), y).mean())
+            for (model, _), (f_mean, ju2, e) in zip(self.members, blocks):
+                f_var = ju2 @ (1.0 / (e + lam))
+                comps.append(_from_moments(model.likelihood, f_mean, torch.diag_embed(f_var)))
+            comp = _stack(comps)
+            loglik = self._log_prob_from(self.weights, comp, y).mean()
+            mmc = torch.tensor(math.nan, dtype=torch.float64)
+            if not self.is_regression:
+                probs = torch.einsum("m,m...->...", self.weights, comp)
+                conf = probs if probs.dim() == 1 else probs.max(-1).values
+                mmc = (conf.maximum(1 - conf) if probs.dim() == 1 else conf).mean()
+            scores.append(torch.stack([loglik, mmc]))
         return torch.stack(scores)
 
     # ------------------------------------------------------------------ prediction
@@ -307,14 +345,10 @@ class MixtureOfLaplace(MixturePredictor):
             return torch.cat(weights), member_predictives(self.likelihoods, outs)
         comps = []
         for k, (model, guide) in enumerate(self.members):
+            f_mean, f_cov = self._moments(k, x)
             if method == "mc":
-                comps.append(
-                    linearized_predictive(
-                        guide, x, method="mc", num_samples=num_samples, seed=seed + k
-                    )
-                )
+                comps.append(_mc_softmax(model.likelihood, f_mean, f_cov, num_samples, seed + k))
             else:
-                f_mean, f_cov = linearized_moments(guide, x)
                 comps.append(_from_moments(model.likelihood, f_mean, f_cov))
         return self.weights.to(x.device), _stack(comps)
 
@@ -322,8 +356,34 @@ class MixtureOfLaplace(MixturePredictor):
         """The output mixture of eq. (8): means ``(K, N, O)`` and covariances ``(K, N, O, O)``."""
         self._check_fitted()
         check_inputs(x)
-        moments = [linearized_moments(guide, x) for _, guide in self.members]
+        moments = [self._moments(k, x) for k in range(len(self.members))]
         return torch.stack([m for m, _ in moments]), torch.stack([c for _, c in moments])
+
+    def _moments(self, k: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Member ``k``'s Gaussian over the outputs, ``(N, O)`` and ``(N, O, O)``, float64.
+
+        A last ``nn.Linear`` layer (``subset="last_layer"``) is linear in its weights, so
+        ``f = W φ(x) + b`` with the penultimate features ``φ`` (read by a forward hook) and
+        ``C_cc' = φ̃ᵀ Σ_(c,c') φ̃`` with ``φ̃ = [φ, 1]`` (MoLA A.2): one forward pass instead of
+        per-sample Jacobians. Other subspaces use `linearized_moments`.
+        """
+        model, guide = self.members[k]
+        rows = _last_linear_rows(model)
+        if rows is None:
+            return linearized_moments(guide, x)
+        last = _last_module(model.flat.net)
+        feats = []
+        handle = last.register_forward_hook(lambda m, inp, out: feats.append(inp[0]))
+        try:
+            with torch.no_grad():
+                f_mean = model.outputs(guide.loc, x).double()
+        finally:
+            handle.remove()
+        phi = feats[-1].detach().double().reshape(x.shape[0], -1)
+        if rows.shape[1] > phi.shape[1]:  # bias column
+            phi = torch.cat([phi, torch.ones_like(phi[:, :1])], dim=1)
+        cov = guide.covariance[rows[:, :, None, None], rows[None, None, :, :]]  # (C, P̃, C, P̃)
+        return f_mean, torch.einsum("np,cpdq,nq->ncd", phi, cov, phi)
 
     def _log_prob_from(self, weights, comp, y) -> torch.Tensor:
         holder = _Fixed(self.likelihood, weights, comp)
@@ -364,6 +424,61 @@ def _from_moments(lik: Likelihood, f_mean: torch.Tensor, f_cov: torch.Tensor):
             return f_mean[:, :1], var_f[:, :1] + noise[:, None]
         return f_mean, var_f + noise.reshape(f_mean.shape)
     return probit(f_mean, f_cov, lik)  # Categorical (N, C) or Bernoulli (N,)
+
+
+def _last_module(net: nn.Module) -> nn.Module:
+    return [m for m in net.modules() if list(m.parameters(recurse=False))][-1]
+
+
+def _last_linear_rows(model: SubspaceNet) -> torch.Tensor | None:
+    """Coordinates of each output's row ``[W_c, b_c]`` when the subspace is exactly a last
+    ``nn.Linear`` layer (index basis, weight then bias), as a ``(C, P̃)`` index tensor; else None."""
+    sub, net = model.subspace, model.flat.net
+    last = _last_module(net)
+    if not sub.is_index or type(last) is not nn.Linear:
+        return None
+    start = 0
+    for p in net.parameters():
+        if p is last.weight:
+            break
+        start += p.numel()
+    c, p_in = last.weight.shape
+    n_bias = 0 if last.bias is None else c
+    expected = torch.arange(start, start + c * p_in + n_bias, device=sub.basis.device)
+    if sub.rank != expected.numel() or not torch.equal(sub.basis, expected):
+        return None
+    rows = torch.arange(c * p_in, device=sub.basis.device).reshape(c, p_in)
+    if n_bias:
+        rows = torch.cat([rows, c * p_in + torch.arange(c, device=rows.device)[:, None]], dim=1)
+    return rows
+
+
+def _mc_softmax(
+    lik: Likelihood, f_mean: torch.Tensor, f_cov: torch.Tensor, num_samples: int, seed: int
+) -> torch.Tensor:
+    """``E[softmax(f)]`` (``sigmoid`` for Bernoulli) under ``f ~ N(f_mean, f_cov)`` by Monte Carlo."""
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples: expected a positive int, got {num_samples!r}")
+    gen = torch.Generator(device=f_mean.device).manual_seed(seed)
+    eye = torch.eye(f_cov.shape[-1], dtype=f_cov.dtype, device=f_cov.device)
+    chol, info = torch.linalg.cholesky_ex(f_cov)
+    if bool(info.any()):  # a rank-deficient output covariance (e.g. zero features)
+        chol = torch.linalg.cholesky(
+            f_cov + 1e-10 * (1 + f_cov.diagonal(dim1=-2, dim2=-1).amax(-1))[..., None, None] * eye
+        )
+    eps = torch.randn(
+        num_samples, *f_mean.shape, generator=gen, dtype=f_mean.dtype, device=f_mean.device
+    )
+    z = f_mean + torch.einsum("nop,snp->sno", chol, eps)
+    if f_mean.shape[-1] == 1 and not isinstance(lik, Gaussian):
+        return z.squeeze(-1).sigmoid().mean(0)
+    return z.softmax(-1).mean(0)
+
+
+def _accuracy(probs: torch.Tensor, y: torch.Tensor) -> float:
+    y = y.reshape(-1).to(probs.device)
+    pred = (probs > 0.5).long() if probs.dim() == 1 else probs.argmax(-1)
+    return float((pred == y.long()).double().mean())
 
 
 def _stack(comps: list) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
