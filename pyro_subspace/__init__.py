@@ -7,7 +7,7 @@ Predictive) runs over the few coordinates ``t`` while the rest stays at a point 
 from . import convert, datasets, infer, likelihoods, metrics, subspaces
 from .flat import FlatNet
 from .infer import EllipticalSliceSampler
-from .nn import SubspaceNet
+from .nn import PatchedNet, SubspaceNet
 from .train import fit_map
 
 __version__ = "0.1.0"
@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "EllipticalSliceSampler",
     "FlatNet",
+    "PatchedNet",
     "SubspaceNet",
     "convert",
     "datasets",
