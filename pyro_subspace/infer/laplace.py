@@ -427,11 +427,7 @@ class AutoSubspaceLaplace(PyroModule):
         elif method == "grid":
             if x_val is None or y_val is None:
                 raise ValueError("x_val, y_val: the grid method needs validation data")
-            if grid is None:
-                grid = torch.logspace(-4, 4, 33, dtype=torch.float64)
-            grid = torch.as_tensor(grid, dtype=torch.float64).reshape(-1)
-            if grid.numel() == 0 or not torch.isfinite(grid).all() or (grid <= 0).any():
-                raise ValueError(f"grid: expected positive finite precisions, got {grid}")
+            grid = _check_grid(grid)
             scores = validation_log_likelihood(self, x_val, y_val, grid)
             self.prior_precision = grid[int(scores.argmax())].to(self.loc.device)
         else:
@@ -508,7 +504,33 @@ class DiagonalLaplace:
         _check_data(x)
         self.weights = FlatNet(self.net).vector().detach()
         g = ggn_diagonal(self.net, self.likelihood, x, self.chunk_size, w=self.weights)
-        self.variance = 1 / (g.double() / self.temperature + self.prior_precision)
+        self.ggn_diagonal = g.double()
+        self.variance = 1 / (self.ggn_diagonal / self.temperature + self.prior_precision)
+        return self
+
+    def optimize_prior_precision(
+        self, x_val: torch.Tensor, y_val: torch.Tensor, grid: torch.Tensor | None = None
+    ) -> DiagonalLaplace:
+        """Set ``λ`` to the value in ``grid`` (default ``10^-4 … 10^4``, 33 values) with the best
+        linearised predictive log-likelihood on ``(x_val, y_val)``; the Jacobians of ``x_val``
+        are computed once. Returns ``self``."""
+        if self.variance is None:
+            raise RuntimeError("DiagonalLaplace: call fit(x) first")
+        grid = _check_grid(grid)
+        blocks = list(full_jacobians(self.net, x_val, self.chunk_size, w=self.weights))
+        out = torch.cat([b[0] for b in blocks]).double()
+        scores = []
+        for lam in grid:
+            variance = 1 / (self.ggn_diagonal / self.temperature + lam)
+            f_cov = torch.cat(
+                [
+                    torch.einsum("nod,d,npd->nop", j.double(), variance, j.double())
+                    for _, j in blocks
+                ]
+            )
+            scores.append(_mean_log_predictive(self.likelihood, out, f_cov, y_val))
+        self.prior_precision = float(grid[int(torch.stack(scores).argmax())])
+        self.variance = 1 / (self.ggn_diagonal / self.temperature + self.prior_precision)
         return self
 
     def moments(
@@ -688,7 +710,6 @@ def validation_log_likelihood(
     lik = guide.model.likelihood
     blocks = list(_jacobian_blocks(guide, x, None))
     out = torch.cat([b[0] for b in blocks])
-    y = lik.validate(out.to(torch.get_default_dtype()), y)
     scores = []
     for lam in prior_precisions:
         post = guide.ggn / guide.temperature + guide.prior_precision_matrix(lam)
@@ -701,19 +722,33 @@ def validation_log_likelihood(
                 full = torch.einsum("nod,npd->nop", jac, jac)
                 cov = cov + (full - torch.einsum("nok,npk->nop", jp, jp)) / lam
             covs.append(cov)
-        f_cov = torch.cat(covs)
-        if isinstance(lik, Gaussian):
-            mean, var = _gaussian_predictive(lik, out, f_cov, include_noise=True)
-            yy = y.double().reshape(mean.shape)
-            ll = torch.distributions.Normal(mean, var.sqrt()).log_prob(yy).sum(-1)
-        else:
-            probs = probit(out, f_cov, lik).clamp_min(1e-12)
-            if isinstance(lik, Bernoulli):
-                ll = torch.where(y.bool(), probs, 1 - probs).clamp_min(1e-12).log()
-            else:
-                ll = probs.gather(-1, y[:, None].long()).squeeze(-1).log()
-        scores.append(ll.mean())
+        scores.append(_mean_log_predictive(lik, out, torch.cat(covs), y))
     return torch.stack(scores)
+
+
+def _mean_log_predictive(
+    lik: Gaussian | Categorical | Bernoulli, f_mean: torch.Tensor, f_cov: torch.Tensor, y: object
+) -> torch.Tensor:
+    """Mean log predictive density of ``y`` under the linearised predictive (probit for
+    classification, closed form for regression)."""
+    y = lik.validate(f_mean, y)
+    if isinstance(lik, Gaussian):
+        mean, var = _gaussian_predictive(lik, f_mean, f_cov, include_noise=True)
+        yy = y.double().reshape(mean.shape)
+        return torch.distributions.Normal(mean, var.sqrt()).log_prob(yy).sum(-1).mean()
+    probs = probit(f_mean, f_cov, lik).clamp_min(1e-12)
+    if isinstance(lik, Bernoulli):
+        return torch.where(y.bool(), probs, 1 - probs).clamp_min(1e-12).log().mean()
+    return probs.gather(-1, y[:, None].long()).squeeze(-1).log().mean()
+
+
+def _check_grid(grid: object) -> torch.Tensor:
+    if grid is None:
+        return torch.logspace(-4, 4, 33, dtype=torch.float64)
+    grid = torch.as_tensor(grid, dtype=torch.float64).reshape(-1)
+    if grid.numel() == 0 or not torch.isfinite(grid).all() or (grid <= 0).any():
+        raise ValueError(f"grid: expected positive finite precisions, got {grid}")
+    return grid
 
 
 # ---------------------------------------------------------------------- helpers
