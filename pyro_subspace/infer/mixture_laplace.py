@@ -345,7 +345,7 @@ class MixtureOfLaplace(MixturePredictor):
             return torch.cat(weights), member_predictives(self.likelihoods, outs)
         comps = []
         for k, (model, guide) in enumerate(self.members):
-            f_mean, f_cov = self._moments(k, x)
+            f_mean, f_cov = self._moments(k, x, diagonal=method != "mc")
             if method == "mc":
                 comps.append(_mc_softmax(model.likelihood, f_mean, f_cov, num_samples, seed + k))
             else:
@@ -359,13 +359,16 @@ class MixtureOfLaplace(MixturePredictor):
         moments = [self._moments(k, x) for k in range(len(self.members))]
         return torch.stack([m for m, _ in moments]), torch.stack([c for _, c in moments])
 
-    def _moments(self, k: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _moments(
+        self, k: int, x: torch.Tensor, diagonal: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Member ``k``'s Gaussian over the outputs, ``(N, O)`` and ``(N, O, O)``, float64.
 
         A last ``nn.Linear`` layer (``subset="last_layer"``) is linear in its weights, so
         ``f = W φ(x) + b`` with the penultimate features ``φ`` (read by a forward hook) and
         ``C_cc' = φ̃ᵀ Σ_(c,c') φ̃`` with ``φ̃ = [φ, 1]`` (MoLA A.2): one forward pass instead of
-        per-sample Jacobians. Other subspaces use `linearized_moments`.
+        per-sample Jacobians. Other subspaces use `linearized_moments`. ``diagonal=True`` fills
+        only the variances ``C_cc`` (all the probit and regression predictives use).
         """
         model, guide = self.members[k]
         rows = _last_linear_rows(model)
@@ -382,6 +385,9 @@ class MixtureOfLaplace(MixturePredictor):
         phi = feats[-1].detach().double().reshape(x.shape[0], -1)
         if rows.shape[1] > phi.shape[1]:  # bias column
             phi = torch.cat([phi, torch.ones_like(phi[:, :1])], dim=1)
+        if diagonal:
+            blocks = guide.covariance[rows[:, :, None], rows[:, None, :]]  # (C, P̃, P̃)
+            return f_mean, torch.diag_embed(torch.einsum("np,cpq,nq->nc", phi, blocks, phi))
         cov = guide.covariance[rows[:, :, None, None], rows[None, None, :, :]]  # (C, P̃, C, P̃)
         return f_mean, torch.einsum("np,cpdq,nq->ncd", phi, cov, phi)
 
