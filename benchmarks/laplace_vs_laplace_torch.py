@@ -1,0 +1,537 @@
+"""Subnetwork Laplace: ours vs laplace-torch; GGN memory vs N; Lanczos top-k vs dense ``eigh``.
+
+(a) Agreement and fit time. On the same MAP networks (MLP in→50→50→out, Tanh; diabetes
+    regression with a Gaussian likelihood, digits classification with a Categorical one), the
+    same ``K`` subnetwork indices and the same hyper-parameters, fit our `AutoSubspaceLaplace`
+    (``prior_mean="zero"``, ``find_map=False``) and laplace-torch's full subnetwork Laplace
+    (``Laplace(..., subset_of_weights="subnetwork", hessian_structure="full")``). Both give the
+    posterior precision ``Pᵀ G P / (σ² T) + λ I`` over the ``K`` weights (ours puts ``1/σ²``
+    into the output Hessian, laplace-torch multiplies ``Σ Jᵀ J`` by ``1/σ²/T`` afterwards) and
+    the linearised (GLM) predictive ``N(f(x, ŵ), J_P Σ J_Pᵀ)``, probit-corrected for classes.
+    The agreement is checked in float64 (network, data and likelihood cast), the times in
+    float32, best of ``--repeats`` runs after one untimed warm-up.
+(b) Peak memory of the subnetwork GGN fit vs ``N`` at a fixed chunk / batch size, one fresh
+    subprocess per measurement (peak RSS during the fit minus the RSS just before it, after
+    imports, model and data creation; ``tracemalloc`` does not see torch's CPU allocations).
+(c) Top-20 GGN eigenvalues of an MLP with about 10k weights (digits 64→100→30→10, float64):
+    dense (explicit per-sample Jacobians → ``G = Σ Jᵀ H J`` → ``torch.linalg.eigh`` and
+    ``eigvalsh``) vs our `lanczos_eigh` on `ggn_vector_product`.
+
+Conventions (identical for both libraries):
+
+- MAP: `fit_map` (Adam, full batch, fixed seed) with ``weight_decay = λ/N``: the mean loss plus
+  ``(λ/N)/2 ‖w‖²`` is ``1/N`` times the negative log joint with the prior ``N(0, λ⁻¹ I)``.
+- Regression: the network is trained with a learned ``σ``; then ``σ`` is fixed to the RMS of the
+  MAP's training residuals and passed to both (``Gaussian(sigma=σ)``, ``sigma_noise=σ``).
+- ``λ`` = ``--prior-precision`` (not rescaled by ``K/D``), temperature ``T = 1``, the posterior
+  mean is the MAP (laplace-torch never moves it; ours with ``find_map=False``).
+- Predictive variances are the functional ones ``J_P Σ J_Pᵀ`` (laplace-torch's ``f_var``; ours
+  with ``include_noise=False``), i.e. without ``σ²``.
+- laplace-torch's fit is timed with its posterior covariance (the ``K × K`` factorisation it
+  otherwise defers to the first prediction), so both sides end with ``Σ``.
+
+laplace-torch is a comparison only, never a dependency of pyro_subspace. Without it, (a) and (b)
+run our side only. It was installed without letting pip touch torch::
+
+    pip install --no-deps laplace-torch asdfghjkl==0.1a4 backpack-for-pytorch \\
+        curvlinops-for-pytorch torchmetrics lightning-utilities einops unfoldNd einconv opt-einsum
+
+    python benchmarks/laplace_vs_laplace_torch.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from pyro_subspace import SubspaceNet, datasets, fit_map, likelihoods, subspaces
+from pyro_subspace.curvature import full_jacobians, ggn_vector_product, lanczos_eigh
+from pyro_subspace.curvature.output_hessian import hessian_factor
+from pyro_subspace.infer import AutoSubspaceLaplace, linearized_moments, linearized_predictive
+
+
+def load_laplace():
+    """laplace-torch's ``Laplace`` and its version, or ``(None, reason)``."""
+    try:
+        from importlib.metadata import version
+
+        from laplace import Laplace
+    except (ImportError, RuntimeError, OSError, AttributeError) as exc:  # e.g. torchvision's
+        return None, f"{type(exc).__name__}: {exc}"
+    return Laplace, version("laplace-torch")
+
+
+# ---------------------------------------------------------------------- (a) the two fits
+
+
+def mlp(d_in: int, d_out: int, hidden: tuple[int, ...] = (50, 50)) -> nn.Module:
+    layers, width = [], d_in
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.Tanh()]
+        width = h
+    return nn.Sequential(*layers, nn.Linear(width, d_out))
+
+
+@dataclass
+class Task:
+    name: str
+    regression: bool
+    net: nn.Module  # the MAP network, float32
+    x: torch.Tensor
+    y: torch.Tensor
+    x_test: torch.Tensor
+    sigma: float | None
+    indices: torch.Tensor  # (K,) int64, sorted
+    lam: float
+
+    def likelihood(self, dtype: torch.dtype = torch.float32) -> likelihoods.Likelihood:
+        lik = (
+            likelihoods.Gaussian(sigma=self.sigma) if self.regression else likelihoods.Categorical()
+        )
+        return lik.to(dtype)
+
+    def cast(
+        self, dtype: torch.dtype
+    ) -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A copy of the network and the data in ``dtype`` (targets stay as they are)."""
+        net = mlp(self.x.shape[1], 1 if self.regression else 10).to(dtype)
+        net.load_state_dict(self.net.state_dict())
+        y = self.y.to(dtype) if self.regression else self.y
+        return net.eval(), self.x.to(dtype), y, self.x_test.to(dtype)
+
+
+def make_task(name: str, k: int, lam: float, quick: bool, seed: int = 0) -> Task:
+    torch.manual_seed(seed)
+    regression = name == "diabetes"
+    data = datasets.diabetes(seed=seed) if regression else datasets.digits(seed=seed)
+    x, y, x_test = data.x_train, data.y_train, data.x_test
+    if quick and not regression:
+        x, y, x_test = x[:400], y[:400], x_test[:100]
+    n = x.shape[0]
+    net = mlp(x.shape[1], 1 if regression else data.n_classes)
+    train_lik = likelihoods.Gaussian() if regression else likelihoods.Categorical()
+    epochs = (300 if quick else 2000) if regression else (100 if quick else 500)
+    fit_map(
+        net,
+        train_lik,
+        x,
+        y,
+        epochs=epochs,
+        lr=1e-2,
+        weight_decay=lam / n,
+        seed=seed,
+        progress=False,
+    )
+    net.eval()
+    sigma = None
+    if regression:
+        with torch.no_grad():
+            sigma = float((net(x).squeeze(-1) - y).square().mean().sqrt())
+    lik = likelihoods.Gaussian(sigma=sigma) if regression else likelihoods.Categorical()
+    sub = subspaces.subnetwork(net, k, "diag_laplace", likelihood=lik, x=x, prior_precision=lam)
+    return Task(name, regression, net, x, y, x_test, sigma, sub.basis.clone(), lam)
+
+
+def fit_ours(task: Task, net: nn.Module, x, y, lik, chunk: int) -> AutoSubspaceLaplace:
+    sub = subspaces.subnetwork(net, strategy="indices", indices=task.indices)
+    model = SubspaceNet(net, sub, lik, prior_scale=task.lam**-0.5)
+    guide = AutoSubspaceLaplace(
+        model, prior_precision=task.lam, prior_mean="zero", chunk_size=chunk
+    )
+    return guide.fit(x, y, find_map=False)
+
+
+def fit_theirs(Laplace, task: Task, net: nn.Module, x, y, batch: int):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    la = Laplace(
+        net,
+        "regression" if task.regression else "classification",
+        subset_of_weights="subnetwork",
+        hessian_structure="full",
+        subnetwork_indices=task.indices.clone(),
+        prior_precision=task.lam,
+        sigma_noise=task.sigma if task.regression else 1.0,
+        temperature=1.0,
+    )
+    targets = y[:, None] if task.regression else y  # laplace-torch: y.ndim == outputs.ndim
+    la.fit(DataLoader(TensorDataset(x, targets), batch_size=batch))
+    la.posterior_covariance  # noqa: B018 -- force the K x K factorisation, as ours does in fit
+    return la
+
+
+def predict_ours(task: Task, guide, x_test):
+    """Regression: ``(f_mean, f_var)`` ``(M, 1)``; classes: ``(f_mean, f_cov, probit probs)``."""
+    if task.regression:
+        return linearized_predictive(guide, x_test, include_noise=False)
+    f_mean, f_cov = linearized_moments(guide, x_test)
+    return f_mean, f_cov, linearized_predictive(guide, x_test, method="probit")
+
+
+def predict_theirs(task: Task, la, x_test):
+    if task.regression:
+        f_mu, f_var = la(x_test, pred_type="glm")
+        return f_mu, f_var[..., 0]
+    # The GLM logit moments are laplace-torch's private _glm_predictive_distribution.
+    f_mu, f_var = la._glm_predictive_distribution(x_test)
+    return f_mu, f_var, la(x_test, pred_type="glm", link_approx="probit")
+
+
+def rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a − b| / max |b|`` (for quantities that cross zero: means, logits, precisions)."""
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def rel_elem(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a − b| / |b|`` elementwise (for positive quantities: variances, probabilities)."""
+    a, b = a.double(), b.double()
+    return float(((a - b).abs() / b.abs()).max())
+
+
+def best_of(fn, repeats: int) -> tuple[float, object]:
+    """Best wall time of ``repeats`` calls after one untimed warm-up call; and the last result."""
+    out = fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return min(times), out
+
+
+def part_a(args, Laplace) -> None:
+    lam, k, chunk = args.prior_precision, args.subnetwork_size, args.chunk_size
+    batches = [chunk, *[b for b in args.lt_batches if b != chunk]]
+    print("(a) Subnetwork Laplace, full K x K covariance: ours vs laplace-torch")
+    print(f"    MLP in-50-50-out (Tanh), K = {k} weights by diag-Laplace selection (same")
+    print(
+        f"    indices for both), lambda = {lam:g}, T = 1; our chunk_size = {chunk}; laplace-torch"
+    )
+    print(f"    DataLoader batch sizes {batches}. Agreement in float64, times in float32 (best of")
+    print(f"    {args.repeats} after a warm-up).")
+    print()
+    agree_rows, time_rows = [], []
+    for name in ("diabetes", "digits"):
+        task = make_task(name, k, lam, args.quick)
+        n, d = task.x.shape[0], sum(p.numel() for p in task.net.parameters())
+        # --- agreement, float64
+        net64, x64, y64, xt64 = task.cast(torch.float64)
+        guide = fit_ours(task, net64, x64, y64, task.likelihood(torch.float64), chunk)
+        ours = predict_ours(task, guide, xt64)
+        row = {"task": name, "N": n, "D": d, "sigma": task.sigma}
+        if Laplace is not None:
+            net64b = task.cast(torch.float64)[0]
+            la = fit_theirs(Laplace, task, net64b, x64, y64, chunk)
+            theirs = predict_theirs(task, la, xt64)
+            row["precision"] = rel_norm(guide.precision, la.posterior_precision)
+            row["mean"] = rel_norm(ours[0], theirs[0])
+            row["var"] = rel_elem(ours[1], theirs[1]) if task.regression else None
+            if not task.regression:
+                row["cov"] = rel_norm(ours[1], theirs[1])
+                row["var"] = rel_elem(
+                    ours[1].diagonal(dim1=-2, dim2=-1), theirs[1].diagonal(dim1=-2, dim2=-1)
+                )
+                row["probit"] = rel_elem(ours[2], theirs[2])
+        agree_rows.append(row)
+        # --- timing, float32
+        net32, x32, y32, xt32 = task.cast(torch.float32)
+        lik32 = task.likelihood(torch.float32)
+        ours_fit = partial(fit_ours, task, net32, x32, y32, lik32, chunk)
+        t_ours, guide32 = best_of(ours_fit, args.repeats)
+        t_pred_ours, _ = best_of(partial(predict_ours, task, guide32, xt32), args.repeats)
+        trow = {"task": name, "N": n, "ours": t_ours, "ours_pred": t_pred_ours, "lt": {}}
+        if Laplace is not None:
+            for b in batches:
+                lt_fit = partial(fit_theirs, Laplace, task, net32, x32, y32, b)
+                trow["lt"][b], la32 = best_of(lt_fit, args.repeats)
+            t_pred_lt, _ = best_of(partial(predict_theirs, task, la32, xt32), args.repeats)
+            trow["lt_pred"] = t_pred_lt
+        time_rows.append(trow)
+
+    def fmt(v) -> str:
+        return "-" if v is None else f"{v:.1e}"
+
+    print("    Agreement (float64): largest relative difference, ours vs laplace-torch")
+    print("    (precision, means, logit covariances: max|a-b|/max|b|; variances, probit")
+    print("    probabilities: max |a-b|/|b| elementwise)")
+    head = f"    {'task':<9}{'N':>6}{'D':>6}{'sigma':>8}  {'precision':>9} {'f mean':>8} "
+    print(head + f"{'f var':>8} {'f cov':>8} {'probit p':>8}")
+    for r in agree_rows:
+        sigma = "-" if r["sigma"] is None else f"{r['sigma']:.3f}"
+        print(
+            f"    {r['task']:<9}{r['N']:>6}{r['D']:>6}{sigma:>8}  {fmt(r.get('precision')):>9} "
+            f"{fmt(r.get('mean')):>8} {fmt(r.get('var')):>8} {fmt(r.get('cov')):>8} "
+            f"{fmt(r.get('probit')):>8}"
+        )
+    if Laplace is not None:
+        worst = max(
+            v
+            for r in agree_rows
+            for key, v in r.items()
+            if key in ("precision", "mean", "var", "cov", "probit") and v is not None
+        )
+        verdict = "met" if worst < 1e-4 else "MISSED"
+        print(f"    worst: {worst:.1e}  (target < 1e-4: {verdict})")
+    print()
+    print("    Fit time in seconds (float32; fit = curvature + K x K Cholesky/inverse)")
+    cols = "".join(f"{'lt b=' + str(b):>10}{'ratio':>7}" for b in batches)
+    print(f"    {'task':<9}{'N':>6}{'ours':>8}{cols}   predict: ours / lt")
+    for r in time_rows:
+        line = f"    {r['task']:<9}{r['N']:>6}{r['ours']:>8.3f}"
+        for b in batches:
+            t = r["lt"].get(b)
+            line += f"{t:>10.3f}{t / r['ours']:>6.1f}x" if t is not None else f"{'-':>10}{'-':>7}"
+        lt_pred = r.get("lt_pred")
+        line += f"   {r['ours_pred']:.3f} / " + ("-" if lt_pred is None else f"{lt_pred:.3f}")
+        print(line)
+    if Laplace is not None:
+        same = min(r["lt"][chunk] / r["ours"] for r in time_rows)
+        best = min(min(r["lt"].values()) / r["ours"] for r in time_rows)
+        print(
+            f"    speed-up at the same chunk/batch size {chunk}: >= {same:.1f}x; against "
+            f"laplace-torch's fastest batch size above: >= {best:.1f}x (target >= 3x)"
+        )
+    print()
+
+
+# ---------------------------------------------------------------------- (b) memory vs N
+
+
+def memory_worker(kind: str, n: int, chunk: int, k: int, lam: float) -> None:
+    """Run in a fresh process: print the peak RSS growth (MB) of one subnetwork GGN fit."""
+    torch.manual_seed(0)
+    net = mlp(64, 10).eval()
+    x = torch.randn(n, 64)
+    y = torch.randint(0, 10, (n,))
+    d = sum(p.numel() for p in net.parameters())
+    indices = torch.randperm(d, generator=torch.Generator().manual_seed(0))[:k].sort().values
+    task = Task("synthetic", False, net, x, y, x[:1], None, indices, lam)
+    Laplace = None
+    if kind.startswith("lt"):
+        Laplace, _ = load_laplace()
+    lik = task.likelihood()
+    base = reset_peak_rss()
+    if kind == "ours":
+        fit_ours(task, net, x, y, lik, chunk)
+    else:
+        fit_theirs(Laplace, task, net, x, y, int(kind[2:]))
+    print(f"PEAK_MB {(peak_rss() - base) / 2**20:.1f}")
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> int:
+    """Reset the peak RSS to the current RSS and return it (bytes).
+
+    Linux: writing ``5`` to ``/proc/self/clear_refs`` resets ``VmHWM``, so the transient peak
+    of the imports does not hide the fit's. Elsewhere: ``ru_maxrss`` (the peak so far).
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    current = _status_bytes("VmRSS")
+    return current if current is not None else peak_rss()
+
+
+def peak_rss() -> int:
+    """Peak RSS of this process in bytes (``VmHWM``, else ``ru_maxrss``)."""
+    hwm = _status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, kB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def run_worker(kind: str, n: int, chunk: int, k: int, lam: float) -> float | None:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        kind,
+        "--worker-n",
+        str(n),
+        "--chunk-size",
+        str(chunk),
+        "--subnetwork-size",
+        str(k),
+        "--prior-precision",
+        str(lam),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    for line in done.stdout.splitlines():
+        if line.startswith("PEAK_MB"):
+            return float(line.split()[1])
+    print(f"    worker {kind} N={n} failed: {done.stderr.strip().splitlines()[-1:]}")
+    return None
+
+
+def part_b(args, Laplace) -> None:
+    chunk, k = args.chunk_size, args.subnetwork_size
+    kinds = ["ours"]
+    if Laplace is not None:
+        kinds += list(dict.fromkeys(f"lt{b}" for b in [chunk, *args.lt_batches]))
+    print("(b) Peak memory of the subnetwork GGN fit vs N (digits-shaped MLP 64-50-50-10,")
+    print(f"    D = 6310, K = {k} random indices, synthetic inputs, float32). Fresh process per")
+    print("    cell; MB = peak RSS during the fit minus the RSS just before it (after imports,")
+    print("    model and data creation; Linux VmHWM reset through /proc/self/clear_refs).")
+    print(f"    ours: chunk_size = {chunk}; lt b=B: laplace-torch with DataLoader batch size B.")
+    print()
+    print(
+        f"    {'N':>7}"
+        + "".join(f"{'ours' if c == 'ours' else 'lt b=' + c[2:]:>12}" for c in kinds)
+    )
+    for n in args.memory_n:
+        cells = [run_worker(c, n, chunk, k, args.prior_precision) for c in kinds]
+        print(f"    {n:>7}" + "".join(f"{'-' if v is None else f'{v:.0f} MB':>12}" for v in cells))
+    print()
+
+
+# ---------------------------------------------------------------------- (c) Lanczos vs eigh
+
+
+def part_c(args) -> None:
+    torch.manual_seed(0)
+    data = datasets.digits()
+    x, y = data.x_train, data.y_train
+    hidden = (100, 30)
+    if args.quick:
+        x, y, hidden = x[:200], y[:200], (20, 10)
+    net = mlp(64, 10, hidden)
+    lik = likelihoods.Categorical()
+    fit_map(
+        net,
+        lik,
+        x,
+        y,
+        epochs=100 if args.quick else 300,
+        lr=1e-2,
+        weight_decay=args.prior_precision / x.shape[0],
+        seed=0,
+        progress=False,
+    )
+    net = net.double().eval()
+    x = x.double()
+    d = sum(p.numel() for p in net.parameters())
+    n, o, top = x.shape[0], 10, args.top_k
+    print(
+        f"(c) Top-{top} GGN eigenvalues, MLP 64-{hidden[0]}-{hidden[1]}-10 (D = {d}) at its MAP on"
+    )
+    print(f"    digits (N = {n}, O = {o}), float64.")
+
+    def build() -> torch.Tensor:
+        rows = [
+            torch.einsum("noc,nod->ncd", hessian_factor(lik, out), jac).reshape(-1, d)
+            for out, jac in full_jacobians(net, x)
+        ]  # A = L^T J, shape (N*O, D): the explicit Jacobian, weighted by H = L L^T
+        a = torch.cat(rows)
+        return a.T @ a
+
+    start = time.perf_counter()
+    g = build()
+    t_build = time.perf_counter() - start
+    start = time.perf_counter()
+    values, _ = torch.linalg.eigh(g)
+    t_eigh = time.perf_counter() - start
+    start = time.perf_counter()
+    torch.linalg.eigvalsh(g)
+    t_eigvalsh = time.perf_counter() - start
+    exact = values.flip(0)[:top]
+    del g
+
+    def lanczos():
+        return lanczos_eigh(
+            lambda v: ggn_vector_product(net, lik, x, v, chunk_size=2048), d, top, seed=0
+        )
+
+    t_lanczos, (approx, _) = best_of(lanczos, args.repeats)
+    err = float(((approx - exact).abs() / exact.abs()).max())
+    num_iter = min(d, max(2 * top + 20, 3 * top))
+    print(f"    dense: build G = J^T H J {t_build:.2f} s (explicit per-sample Jacobians, then")
+    print(f"           A^T A), eigh {t_eigh:.2f} s, eigvalsh {t_eigvalsh:.2f} s (each timed once)")
+    print(f"    ours:  lanczos_eigh(ggn_vector_product), {num_iter} products, {t_lanczos:.3f} s")
+    print(f"           (best of {args.repeats})")
+    print(
+        f"    max relative error of the top {top} eigenvalues: {err:.1e} (target < 1e-6: "
+        f"{'met' if err < 1e-6 else 'MISSED'})"
+    )
+    print(f"    {'time ratio dense / ours':<34}{'ratio':>9}")
+    for label, t in (
+        ("eigh only", t_eigh),
+        ("build + eigh", t_build + t_eigh),
+        ("eigvalsh only", t_eigvalsh),
+        ("build + eigvalsh", t_build + t_eigvalsh),
+    ):
+        print(f"    {label:<34}{t / t_lanczos:>8.0f}x")
+    print("    (target >= 100x)")
+    print(f"    largest eigenvalue {float(exact[0]):.4f}, {top}-th {float(exact[-1]):.4f}")
+    print()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny settings (< 1 minute)")
+    parser.add_argument("--subnetwork-size", type=int, default=None, help="K (default 1000)")
+    parser.add_argument("--prior-precision", type=float, default=1.0, help="lambda")
+    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--lt-batches", type=int, nargs="*", default=[32])
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--memory-n", type=int, nargs="*", default=None)
+    parser.add_argument("--top-k", type=int, default=20)
+    parser.add_argument("--parts", default="abc")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-n", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.subnetwork_size is None:
+        args.subnetwork_size = 300 if args.quick else 1000
+    if args.worker is not None:
+        memory_worker(
+            args.worker, args.worker_n, args.chunk_size, args.subnetwork_size, args.prior_precision
+        )
+        return
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    if args.memory_n is None:
+        args.memory_n = [500, 2000] if args.quick else [1000, 4000, 16000]
+    Laplace, info = load_laplace()
+    load = " ".join(f"{v:.1f}" for v in os.getloadavg())
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load}; ",
+        end="",
+    )
+    if Laplace is None:
+        print(f"laplace-torch NOT available ({info}):")
+        print("  running our side only. Install it with --no-deps (see this file's docstring).")
+    else:
+        print(f"laplace-torch {info}")
+    print()
+    if "a" in args.parts:
+        part_a(args, Laplace)
+    if "b" in args.parts:
+        part_b(args, Laplace)
+    if "c" in args.parts:
+        part_c(args)
+
+
+if __name__ == "__main__":
+    main()
