@@ -30,7 +30,7 @@ from .nn import SubspaceNet
 from .train import fit_map
 
 SUBSPACES = ("pca", "random", "subnetwork", "ggn")
-INFERENCE = ("ess", "nuts", "hmc", "vi", "laplace")
+INFERENCE = ("ess", "nuts", "hmc", "vi", "laplace", "mola", "deep_ensemble", "swag")
 DATASETS = ("toy", "in_between", "diabetes", "csv")
 
 
@@ -52,8 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="ess",
         help="ess: elliptical slice sampling, the paper's recommendation (default); "
         "laplace: the linearised Laplace guide (with --subspace subnetwork or ggn: "
-        "Subnetwork Inference's subnetwork / a low-rank Laplace)",
+        "Subnetwork Inference's subnetwork / a low-rank Laplace); mola, deep_ensemble, swag: "
+        "mixtures of last-layer Laplace approximations over --members networks, the deep "
+        "ensemble itself, or SWAG (see pyro_subspace.cli_mixture)",
     )
+    p.add_argument("--members", type=int, default=5, help="mola / deep_ensemble: networks K")
     p.add_argument(
         "--laplace-prior",
         choices=("marglik", "fixed"),
@@ -178,6 +181,10 @@ def _laplace(model: SubspaceNet, args, data: datasets.Dataset):
 
 def run(args: argparse.Namespace) -> dict:
     """The default job; returns the results table as a dict and writes ``out/``."""
+    if args.inference in ("mola", "deep_ensemble", "swag"):
+        from .cli_mixture import run_mixture
+
+        return run_mixture(args)
     torch.manual_seed(args.seed)
     pyro.set_rng_seed(args.seed)
     pyro.clear_param_store()
