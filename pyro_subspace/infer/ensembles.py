@@ -75,7 +75,8 @@ class MixturePredictor:
             w = weights[:, None, None]
             mean = (w * means).sum(0)
             return mean, (w * variances).sum(0) + (w * (means - mean).square()).sum(0)
-        return torch.einsum("m,m...->...", weights, comp)
+        # clamp: float64 rounding of Σ π_m p_m can exceed 1 by ~1e-15 at saturated softmaxes
+        return torch.einsum("m,m...->...", weights, comp).clamp(0.0, 1.0)
 
     def log_prob(self, x: torch.Tensor, y: torch.Tensor, **kwargs: object) -> torch.Tensor:
         """Log predictive density ``log Σ_m π_m p_m(y_n | x_n)`` of each target, shape ``(N,)``.
