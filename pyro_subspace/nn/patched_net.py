@@ -468,6 +468,7 @@ class PatchedNet(PyroModule):
         y: torch.Tensor,
         num_data: int | None = None,
         include_penalty: bool = True,
+        validate: bool = True,
     ) -> torch.Tensor:
         """One-draw estimate of the loss of eq. (21)/(20): ``(N/B) Σ_batch NLL / T + eq. (7)``.
 
@@ -482,11 +483,17 @@ class PatchedNet(PyroModule):
             num_data: size ``N`` of the full data set (default ``B``).
             include_penalty: add eq. (7); `fit` leaves it out and lets Adam's ``weight_decay``
                 (`weight_decays`) apply its exact gradient, which is cheaper.
+            validate: check ``x`` and ``y`` (`fit` checks the whole data once and then passes
+                targets already prepared by the likelihood).
 
         Returns:
             A scalar tensor, differentiable in the means.
         """
-        n, _, total = _check_call(x, y, None, num_data)
+        if validate:
+            n, _, total = _check_call(x, y, None, num_data)
+        else:
+            n = x.shape[0]
+            total = n if num_data is None else num_data
         like = self._like()
         z = self._draw_assignments(())
         locs = [self._loc(s, z, ()) for s in self.slots]
@@ -494,8 +501,9 @@ class PatchedNet(PyroModule):
         noise = torch.split(noise, [s.numel for s in self.slots])
         weights = {s.name: loc + e.view(s.shape) for s, loc, e in zip(self.slots, locs, noise)}
         out = self.outputs(weights, x, z["z"] if self.mode == "ensemble" else None)
-        yb = self.likelihood.validate(out, y)
-        nll = -self.likelihood.log_prob(out, yb).sum() * (total / n) / self.temperature
+        yb = self.likelihood.validate(out, y) if validate else y
+        log_lik = self.likelihood.distribution(out).log_prob(yb)
+        nll = -log_lik.sum() * (total / n) / self.temperature
         return nll + self.penalty() if include_penalty else nll
 
     def weight_decays(self, num_data: int) -> dict[str, float]:
@@ -544,6 +552,9 @@ class PatchedNet(PyroModule):
         _positive(lr, "lr")
         if method not in ("torch", "svi"):
             raise ValueError(f"method: expected 'torch' or 'svi', got {method!r}")
+        with torch.no_grad():  # check the targets against the outputs once, not every step
+            probe = self.eval().sample_outputs(x[:1], 1)[0]
+        y = self.likelihood.validate(probe.new_zeros(n, *probe.shape[1:]), y)
         gen = torch.Generator()
         gen.manual_seed(seed) if seed is not None else gen.seed()
         self.train()
@@ -564,7 +575,9 @@ class PatchedNet(PyroModule):
             def step(xb: torch.Tensor, yb: torch.Tensor) -> float:
                 opt.zero_grad()
                 with pyro.validation_enabled(False):  # data validated once, above
-                    nll = self.negative_elbo(xb, yb, num_data=n, include_penalty=False)
+                    nll = self.negative_elbo(
+                        xb, yb, num_data=n, include_penalty=False, validate=False
+                    )
                 (nll / n).backward()  # the penalty's gradient: Adam's weight_decay (eq. 7)
                 opt.step()
                 return float(nll.detach())
