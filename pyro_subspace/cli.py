@@ -31,7 +31,8 @@ from .train import fit_map
 
 SUBSPACES = ("pca", "random", "subnetwork", "ggn")
 INFERENCE = ("ess", "nuts", "hmc", "vi", "laplace", "mola", "deep_ensemble", "swag")
-DATASETS = ("toy", "in_between", "diabetes", "csv")
+INFERENCE += ("emp", "ecmp", "dropout", "ensemble")  # Ensemble Model Patching, cli_patches.py
+DATASETS = ("toy", "in_between", "diabetes", "csv", "digits")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,9 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
         "laplace: the linearised Laplace guide (with --subspace subnetwork or ggn: "
         "Subnetwork Inference's subnetwork / a low-rank Laplace); mola, deep_ensemble, swag: "
         "mixtures of last-layer Laplace approximations over --members networks, the deep "
-        "ensemble itself, or SWAG (see pyro_subspace.cli_mixture)",
+        "ensemble itself, or SWAG (see pyro_subspace.cli_mixture); emp, ecmp, dropout, "
+        "ensemble: Ensemble Model Patching on --dataset digits (see pyro_subspace.cli_patches)",
     )
-    p.add_argument("--members", type=int, default=5, help="mola / deep_ensemble: networks K")
+    p.add_argument(
+        "--members",
+        type=int,
+        default=5,
+        help="mola / deep_ensemble: networks K; emp / ecmp / ensemble: components K",
+    )
     p.add_argument(
         "--laplace-prior",
         choices=("marglik", "fixed"),
@@ -185,6 +192,10 @@ def run(args: argparse.Namespace) -> dict:
         from .cli_mixture import run_mixture
 
         return run_mixture(args)
+    if args.inference in ("emp", "ecmp", "dropout", "ensemble"):
+        from .cli_patches import run_patches
+
+        return run_patches(args)
     torch.manual_seed(args.seed)
     pyro.set_rng_seed(args.seed)
     pyro.clear_param_store()
