@@ -19,8 +19,10 @@ so ``Predictive(model, guide=guide, num_samples=S)`` gives the sampling predicti
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
+from collections.abc import Callable
 
 import pyro
 import torch
@@ -201,8 +203,11 @@ class AutoSubspaceLaplace(PyroModule):
         temperature = model.temperature_for(n)
         prior = self.prior_precision_matrix()
         if find_map:
-            t = self._find_map(t, x, y, temperature, prior, max_iter, tol)
-            t = self._polish(t, x, y, temperature, prior)
+            objective = functools.partial(
+                self._loss_and_grad, x=x, y=y, temperature=temperature, prior=prior
+            )
+            t = self._find_map(objective, t, max_iter, tol)
+            t = self._polish(objective, t, x, prior)
         ggn = self._ggn(x, t)
         self.register_buffer("loc", t.detach())
         self.register_buffer("ggn", ggn)
@@ -211,16 +216,9 @@ class AutoSubspaceLaplace(PyroModule):
         self._set_posterior()
         return self
 
-    def _find_map(
-        self,
-        t: torch.Tensor,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        temperature: float,
-        prior: torch.Tensor,
-        max_iter: int,
-        tol: float,
-    ) -> torch.Tensor:
+    @staticmethod
+    def _find_map(objective: Callable, t: torch.Tensor, max_iter: int, tol: float) -> torch.Tensor:
+        """L-BFGS on ``objective(t) -> (loss, grad)``."""
         t = t.clone().requires_grad_(True)
         opt = torch.optim.LBFGS(
             [t],
@@ -232,27 +230,21 @@ class AutoSubspaceLaplace(PyroModule):
         )
 
         def closure() -> torch.Tensor:
-            loss, grad = self._loss_and_grad(t, x, y, temperature, prior)
-            t.grad = grad
+            loss, t.grad = objective(t)
             return torch.tensor(loss, dtype=torch.float64)
 
         opt.step(closure)
         return t.detach()
 
     def _polish(
-        self,
-        t: torch.Tensor,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        temperature: float,
-        prior: torch.Tensor,
+        self, objective: Callable, t: torch.Tensor, x: torch.Tensor, hessian_prior: torch.Tensor
     ) -> torch.Tensor:
         """One Gauss–Newton step ``t − (PᵀGP/T + Λ₀)⁻¹ ∇``, kept unless it raises the loss: exact
         for a linear-Gaussian model, and a quadratically convergent finish near a MAP."""
-        loss, grad = self._loss_and_grad(t, x, y, temperature, prior)
-        chol = _cholesky(self._ggn(x, t) / temperature + prior, "posterior precision")
-        t_new = t - torch.cholesky_solve(grad[:, None], chol)[:, 0]
-        loss_new = self._loss_and_grad(t_new, x, y, temperature, prior)[0]
+        loss, grad = objective(t)
+        hessian = self._ggn(x, t) / self.model.temperature_for(x.shape[0]) + hessian_prior
+        t_new = t - torch.cholesky_solve(grad[:, None], _cholesky(hessian, "precision"))[:, 0]
+        loss_new = objective(t_new)[0]
         return t_new if loss_new <= loss + 1e-12 * (1 + abs(loss)) else t  # up to rounding
 
     def _ggn(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
