@@ -20,6 +20,15 @@ from torch.func import functional_call
 from pyro_subspace import PatchedNet, datasets, likelihoods, metrics
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny nets run fastest on one thread; on a shared machine extra threads only contend."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def small_bn_net(seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 3))
