@@ -145,6 +145,7 @@ def test_svi_loss_and_gradient_equal_expected_nll_plus_eq7():
         losses.append(float(loss))
     losses_t = torch.tensor(losses)
     se = float(losses_t.std() / math.sqrt(r))
+    assert model.elbo_constant == pytest.approx(kl_constant(model))
     got = float(losses_t.mean()) - kl_constant(model)
     assert abs(got - float(target)) < 4 * se, (got, float(target), se)
     for acc, exact in zip(grads, exact_grads):

@@ -265,6 +265,16 @@ class PatchedNet(PyroModule):
         d = self.num_weights
         return 100.0 * (self.num_variational_parameters - d) / d
 
+    @property
+    def elbo_constant(self) -> float:
+        """``C = Σ_weights ½(τσ² − 1 − log τσ²)``: ``Trace_ELBO``'s loss minus this is the
+        paper's loss (expected NLL + eq. 7) in expectation (see the module docstring)."""
+        total = 0.0
+        for s in self.slots:
+            ts2 = s.precision * self.sigma**2
+            total += s.numel * 0.5 * (ts2 - 1.0 - math.log(ts2))
+        return total
+
     def means(self) -> dict[str, torch.Tensor]:
         """The variational means by parameter name: ``(K, *shape)`` if patched, else ``shape``."""
         return {s.name: self._raw(s) for s in self.slots}
