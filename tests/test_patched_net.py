@@ -160,6 +160,36 @@ def test_svi_loss_and_gradient_equal_expected_nll_plus_eq7():
     assert abs(float(direct.mean()) - float(target)) < 4 * se_d + 1e-4
 
 
+def test_sigma_zero_limit_gives_exactly_nll_plus_l2_of_the_drawn_component():
+    """σ = 0: a Delta guide; the loss is NLL(M_z) + τ/2 ‖M_z‖² + C, with no noise at all."""
+    model = PatchedNet(
+        small_bn_net(),
+        likelihoods.Categorical(),
+        mode="ecmp",
+        n_components=3,
+        sigma=0.0,
+        prior_precision=2.0,
+    ).train()
+    x, y = toy_batch()
+    pyro.set_rng_seed(5)
+    loss = Trace_ELBO().differentiable_loss(model, model.guide, x, y)
+    pyro.set_rng_seed(5)
+    tr = pyro.poutine.trace(model.guide).get_trace(x, y)
+    w, l2 = {}, 0.0
+    for s in model.slots:
+        m = model.means()[s.name]
+        if s.kind == "patch":  # ECMP: gather each element's component by hand
+            z = tr.nodes[f"z.{s.name}"]["value"]
+            m = torch.stack([m[int(k)].reshape(-1)[i] for i, k in enumerate(z.reshape(-1))])
+            m = m.reshape(s.shape)
+        assert torch.equal(tr.nodes[s.site]["value"], m)
+        w[s.name] = m
+        l2 = l2 + 2.0 / 2 * m.square().sum()
+    expected = nll_sum(model.net, w, x, y) + l2 + model.elbo_constant
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+    assert model.elbo_constant == pytest.approx(model.num_weights * 0.5 * math.log(math.pi))
+
+
 def test_weight_decays_reproduce_the_gradient_of_eq7():
     model = PatchedNet(
         small_bn_net(), likelihoods.Categorical(), n_components=4, prior_precision=3.0
@@ -485,7 +515,7 @@ def test_svi_fit_and_gaussian_likelihood_run():
         ({"patches": "bn"}, ValueError, "patches"),
         ({"patches": ["1"], "mode": "dropout"}, ValueError, "patches"),
         ({"patches": ["1"], "mode": "ensemble"}, ValueError, "patches"),
-        ({"sigma": 0.0}, ValueError, "sigma"),
+        ({"sigma": -1.0}, ValueError, "sigma"),
         ({"drop_prob": 1.0}, ValueError, "drop_prob"),
         ({"prior_precision": -1.0}, ValueError, "prior_precision"),
         ({"prior_precision": {"7": 1.0}}, ValueError, "prior_precision"),

@@ -72,6 +72,8 @@ def train_method(
     drop_prob: float = 0.1,
     seed: int = 0,
     svi: bool = False,
+    hidden: int = 128,
+    sigma: float = 0.0,
 ) -> TrainedMethod:
     """Train method ``name`` (one of `METHODS`) on a classification `Dataset`.
 
@@ -83,6 +85,9 @@ def train_method(
         seed: network initialisation, shuffling and the Monte Carlo draws.
         svi: train `PatchedNet` methods with Pyro's ``SVI``/``Trace_ELBO`` instead of the
             equivalent plain-torch loss (`PatchedNet.fit`).
+        hidden: width of the two hidden layers.
+        sigma: ``σ`` of the components; 0 is the limit ``σ → 0`` (the paper fixes ``σ`` to
+            "machine epsilon"), which draws no weight noise.
 
     Returns:
         A `TrainedMethod` with the model in eval mode.
@@ -91,7 +96,7 @@ def train_method(
         raise ValueError(f"name: expected one of {METHODS}, got {name!r}")
     if data.task != "classification":
         raise ValueError(f"data: expected a classification dataset, got task {data.task!r}")
-    net = bn_mlp(data.n_features, int(data.n_classes), seed=seed)
+    net = bn_mlp(data.n_features, int(data.n_classes), hidden=hidden, seed=seed)
     lik = likelihoods.Categorical()
     n = data.n_train
     torch.manual_seed(seed)
@@ -120,6 +125,7 @@ def train_method(
         n_components=n_components,
         prior_precision=prior_precision,
         drop_prob=drop_prob,
+        sigma=sigma,
         seed=seed,
     )
     t0 = time.process_time()

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import pyro
 import torch
-from pyro.distributions import Bernoulli, Categorical, Normal
+from pyro.distributions import Bernoulli, Categorical, Delta, Normal
 from pyro.nn import PyroModule
 from pyro.nn.module import pyro_method
 from pyro.poutine.runtime import get_plates
@@ -117,6 +117,9 @@ class PatchedNet(PyroModule):
         prior_precision: ``τ`` of the prior ``N(0, τ⁻¹ I)``; a positive float, or a dict
             ``{module name: τ}`` overriding it per layer (``""`` key: the default).
         sigma: the fixed, small standard deviation ``σ`` of every Gaussian component (eq. 4).
+            ``0`` is the limit ``σ → 0`` (the paper suggests machine epsilon): the guide puts a
+            ``Delta`` at ``M_z``, ``Trace_ELBO``'s ``−log p(W)`` is then exactly
+            ``τ/2 ‖M_z‖² + const``, and no weight noise is drawn (cheaper training).
         drop_prob: dropout/DropConnect probability of the zero component (``1 - p_i``).
         temperature: likelihood temperature ``T`` (log-likelihood scaled by ``1/T``).
         subsample_size: default minibatch size of the ``"data"`` plate.
@@ -174,7 +177,7 @@ class PatchedNet(PyroModule):
             raise TypeError(f"n_components: expected an int >= 2, got {n_components!r}")
         if n_components < 2:
             raise ValueError(f"n_components: expected an int >= 2, got {n_components}")
-        _positive(sigma, "sigma")
+        _positive(sigma, "sigma", allow_zero=True)
         _positive(init_jitter, "init_jitter", allow_zero=True)
         if isinstance(drop_prob, bool) or not isinstance(drop_prob, (int, float)):
             raise TypeError(f"drop_prob: expected a float in (0, 1), got {drop_prob!r}")
@@ -200,6 +203,7 @@ class PatchedNet(PyroModule):
         self.likelihood = likelihood
         self.patched_modules = patched
         self._holder = _Holder(net)  # not a submodule: its parameters are not model parameters
+        self._buffer_cache: dict[str, torch.Tensor] | None = None
         self.slots: list[Slot] = []
         gen = torch.Generator().manual_seed(seed)
         with torch.random.fork_rng(devices=[]):
@@ -267,10 +271,14 @@ class PatchedNet(PyroModule):
 
     @property
     def elbo_constant(self) -> float:
-        """``C = Σ_weights ½(τσ² − 1 − log τσ²)``: ``Trace_ELBO``'s loss minus this is the
-        paper's loss (expected NLL + eq. 7) in expectation (see the module docstring)."""
+        """``C = Σ_weights ½(τσ² − 1 − log τσ²)`` (``σ = 0``: ``Σ_weights ½ log(2π/τ)``):
+        ``Trace_ELBO``'s loss minus this is the paper's loss (expected NLL + eq. 7) in
+        expectation (see the module docstring)."""
         total = 0.0
         for s in self.slots:
+            if self.sigma == 0:  # Delta guide: log q = 0, -log p(M) = τ/2 M² + ½ log(2π/τ)
+                total += s.numel * 0.5 * math.log(2 * math.pi / s.precision)
+                continue
             ts2 = s.precision * self.sigma**2
             total += s.numel * 0.5 * (ts2 - 1.0 - math.log(ts2))
         return total
@@ -351,9 +359,14 @@ class PatchedNet(PyroModule):
             return f"z.{slot.module}"
         return f"z.{slot.name}"
 
-    def _loc(self, slot: Slot, z: dict[str, torch.Tensor], batch: tuple[int, ...]) -> torch.Tensor:
-        """Mean of the selected component, shape ``(*batch, *slot.shape)``, differentiable in M."""
-        m = getattr(self, slot.key)  # a pyro.param statement inside model/guide
+    def _loc(
+        self, slot: Slot, z: dict[str, torch.Tensor], batch: tuple[int, ...], raw: bool = False
+    ) -> torch.Tensor:
+        """Mean of the selected component, shape ``(*batch, *slot.shape)``, differentiable in M.
+
+        ``raw=False`` reads the mean through ``PyroModule`` (a ``pyro.param`` statement inside
+        model and guide); ``raw=True`` reads the tensor directly (plain-torch paths)."""
+        m = self._parameters[slot.key] if raw else getattr(self, slot.key)
         shape = tuple(slot.shape)
         if slot.kind == "shared":
             return m.expand(*batch, *shape)
@@ -371,6 +384,8 @@ class PatchedNet(PyroModule):
         return flat.gather(0, idx).reshape(*batch, *shape)
 
     def _weight_dist(self, loc: torch.Tensor, slot: Slot):
+        if self.sigma == 0:
+            return Delta(loc, event_dim=len(slot.shape))
         return Normal(loc, self.sigma).to_event(len(slot.shape))
 
     def _prior(self, slot: Slot, like: torch.Tensor):
@@ -389,8 +404,8 @@ class PatchedNet(PyroModule):
         z = self._draw_assignments((s,))
         out = dict(z)
         for slot in self.slots:
-            loc = self._loc(slot, z, (s,))
-            out[slot.site] = loc + self.sigma * torch.randn_like(loc)
+            loc = self._loc(slot, z, (s,), raw=True)
+            out[slot.site] = loc + self.sigma * torch.randn_like(loc) if self.sigma else loc
         return out
 
     # ----------------------------------------------------------------------------------------
@@ -403,6 +418,8 @@ class PatchedNet(PyroModule):
         tensor ``(B,)`` gives gathered ``(B, *shape)`` copies for ``vmap`` in eval mode.
         """
         if self.mode != "ensemble":
+            if self._buffer_cache is not None:  # set by `fit` for the duration of training
+                return self._buffer_cache
             return dict(self.net.named_buffers())
         if member is None:
             raise ValueError("member: ensemble mode needs the member index of each draw")
@@ -506,10 +523,13 @@ class PatchedNet(PyroModule):
             total = n if num_data is None else num_data
         like = self._like()
         z = self._draw_assignments(())
-        locs = [self._loc(s, z, ()) for s in self.slots]
-        noise = torch.randn(self.num_weights, dtype=like.dtype, device=like.device) * self.sigma
-        noise = torch.split(noise, [s.numel for s in self.slots])
-        weights = {s.name: loc + e.view(s.shape) for s, loc, e in zip(self.slots, locs, noise)}
+        locs = [self._loc(s, z, (), raw=True) for s in self.slots]
+        if self.sigma > 0:  # one draw of σ ε for all weights
+            noise = torch.randn(self.num_weights, dtype=like.dtype, device=like.device)
+            noise = torch.split(noise * self.sigma, [s.numel for s in self.slots])
+            weights = {s.name: m + e.view(s.shape) for s, m, e in zip(self.slots, locs, noise)}
+        else:
+            weights = {s.name: m for s, m in zip(self.slots, locs)}
         out = self.outputs(weights, x, z["z"] if self.mode == "ensemble" else None)
         yb = self.likelihood.validate(out, y) if validate else y
         log_lik = self.likelihood.distribution(out).log_prob(yb)
@@ -593,17 +613,21 @@ class PatchedNet(PyroModule):
                 return float(nll.detach())
 
         history = []
-        for _ in range(epochs):
-            order = torch.randperm(n, generator=gen).to(x.device)
-            total = 0.0
-            batches = 0
-            for start in range(0, n, batch_size):
-                idx = order[start : start + batch_size]
-                if idx.numel() < 2 and n >= 2:  # BatchNorm needs two points; fold a last single
-                    continue
-                total += step(x[idx], y[idx])
-                batches += 1
-            history.append(total / max(batches, 1) / n)
+        self._buffer_cache = dict(self.net.named_buffers())  # the same tensors, looked up once
+        try:
+            for _ in range(epochs):
+                order = torch.randperm(n, generator=gen).to(x.device)
+                total = 0.0
+                batches = 0
+                for start in range(0, n, batch_size):
+                    idx = order[start : start + batch_size]
+                    if idx.numel() < 2 and n >= 2:  # BatchNorm needs two points: skip a single
+                        continue
+                    total += step(x[idx], y[idx])
+                    batches += 1
+                history.append(total / max(batches, 1) / n)
+        finally:
+            self._buffer_cache = None
         return history
 
     # ----------------------------------------------------------------------------------------
