@@ -187,6 +187,12 @@ def test_sigma_zero_limit_gives_exactly_nll_plus_l2_of_the_drawn_component():
         l2 = l2 + 2.0 / 2 * m.square().sum()
     expected = nll_sum(model.net, w, x, y) + l2 + model.elbo_constant
     assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+    # gradients: exactly the pathwise ones given z, no score-function contribution from z
+    params = [model._parameters[s.key] for s in model.slots]
+    for g_svi, g_hand in zip(
+        torch.autograd.grad(loss, params), torch.autograd.grad(expected, params)
+    ):
+        torch.testing.assert_close(g_svi, g_hand, rtol=1e-5, atol=1e-6)
     assert model.elbo_constant == pytest.approx(model.num_weights * 0.5 * math.log(math.pi))
 
 
