@@ -30,12 +30,18 @@ unchanged), and ``Trace_ELBO`` on it computes
     loss = E_{z,ε}[ −log p(y | W) ] + E_z KL( N(M_z, σ² I) ‖ N(0, τ⁻¹ I) ) + KL(q(z) ‖ p(z))
          = E[NLL] + Σ_patched Σ_k τ p_k/2 ‖M_k‖² + Σ_shared τ/2 ‖M‖² + C            (eq. 7)
 
-with ``KL(q(z)‖p(z)) = 0`` and ``C = Σ_weights ½(τσ² − 1 − log τσ²)``; the mixture entropy is
+(dropout/DropConnect weights: ``τ(1−p)/2 ‖M‖²``, eq. 2 with ``p_i1 = 1−p``), with
+``KL(q(z)‖p(z)) = 0`` and ``C = Σ_weights ½(τσ² − 1 − log τσ²)``; the mixture entropy is
 replaced by the average component entropy, the approximation of eqs. (13)–(16) (exact for the
 augmented model). Given ``z``, the weights are reparameterised (``Normal.rsample``), so gradients
 reach the means ``M_k`` by the pathwise derivative. The score-function term Pyro adds for the
 non-reparameterisable ``z`` is ``∇ log q(z) · cost = 0``: ``q(z)`` has no parameters. So SVI's
 gradient is exactly the one of Algorithm 1 (``S = 1`` draw per step, appendix B.4).
+
+Dropout follows Table 1 / eq. (10) (Gal & Ghahramani's parameterisation): the mask ``z_{i h₁}``
+runs over the rows ``h₁ ∈ [1, H_{i-1}]`` of the paper's ``W_i ∈ R^{H_{i-1}×H_i}``, i.e. the *input*
+units of the layer (dim 1 of torch's ``(out, in)`` weight; input channels of a convolution), and
+there is no ``1/(1−p)`` rescaling: it is absorbed into ``M``, and train and test both sample.
 
 **Prediction** (Algorithm 1 at test time, eq. 22): `sample_weights` draws ``S`` weight sets at
 once and `sample_outputs` evaluates the net on all of them with ``torch.func.vmap`` over
