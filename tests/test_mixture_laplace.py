@@ -263,3 +263,17 @@ def test_bad_arguments_and_unfitted_use(trained):
         mola.predict(x, method="closed_form")
     with pytest.raises(ValueError, match="x_val"):
         mola.optimize_prior_precision("grid")
+    with pytest.raises(ValueError, match="y"):
+        MixtureOfLaplace(nets, lik).fit(x)
+
+
+def test_fit_on_a_dataset_uses_its_training_split():
+    from pyro_subspace import datasets
+
+    data = datasets.digits(seed=0)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10))
+    lik = likelihoods.Categorical()
+    a = LastLayerLaplace(net, lik).fit(data)
+    b = LastLayerLaplace(net, lik).fit(data.x_train, data.y_train)
+    assert torch.equal(a.predict(data.x_test[:5]), b.predict(data.x_test[:5]))

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..curvature import subspace_jacobians
+from ..datasets import Dataset
 from ..flat import eval_mode
 from ..likelihoods import Gaussian, Likelihood
 from ..nn import SubspaceNet
@@ -158,15 +159,24 @@ class MixtureOfLaplace(MixturePredictor):
             return sub
         return self.subset[i]
 
-    def fit(self, x: torch.Tensor, y: torch.Tensor, find_map: bool = False) -> MixtureOfLaplace:
+    def fit(
+        self, x: torch.Tensor | Dataset, y: torch.Tensor | None = None, find_map: bool = False
+    ) -> MixtureOfLaplace:
         """Fit the ``K`` Laplace approximations (GGN at each network's weights); returns ``self``.
 
         Args:
-            x: training inputs ``(N, ...)``; y: targets ``(N,)``.
+            x: training inputs ``(N, ...)``, or a `datasets.Dataset` (its training split).
+            y: targets ``(N,)`` (omitted with a Dataset).
             find_map: refine each member's mode in its subspace by Gauss–Newton first
                 (`AutoSubspaceLaplace.fit`); ``False`` keeps ``μ^(k) = ŵ^(k)``, right when the
                 networks were trained to the MAP of the same prior (weight decay ``λ/N``).
         """
+        if isinstance(x, Dataset):
+            if y is not None:
+                raise ValueError("y: give either a Dataset or (x, y), not both")
+            x, y = x.x_train, x.y_train
+        if y is None:
+            raise ValueError("y: the training targets are required with tensor inputs")
         check_inputs(x)
         self.members = []
         for i, (net, lik) in enumerate(zip(self.nets, self.likelihoods)):
