@@ -486,6 +486,25 @@ def test_ensemble_keeps_batchnorm_statistics_per_member():
 # prediction and errors
 
 
+def test_svi_training_updates_batchnorm_running_statistics_once_per_step():
+    model = PatchedNet(small_bn_net(), likelihoods.Categorical(), mode="emp", n_components=2)
+    x, y = toy_batch(n=64)
+    svi = pyro.infer.SVI(model, model.guide, pyro.optim.Adam({"lr": 1e-4}), Trace_ELBO())
+    model.train()
+    for _ in range(60):  # slow learning: the EMA (momentum 0.1) has converged after 60 steps
+        svi.step(x, y)
+    bn = model.net[1]
+    assert int(bn.num_batches_tracked) == 60
+    # the running mean tracks the batch mean of the BN inputs (shared layer 0 feeds it)
+    with torch.no_grad():
+        pre = functional_call(
+            model.net[0],
+            {k.split(".", 1)[1]: v for k, v in model.means().items() if k.startswith("0.")},
+            (x,),
+        )
+    torch.testing.assert_close(bn.running_mean, pre.mean(0), atol=0.02, rtol=0.05)
+
+
 def test_vectorised_outputs_equal_the_loop_over_draws():
     model = PatchedNet(small_bn_net(), likelihoods.Categorical(), mode="ecmp").eval()
     x, _ = toy_batch()

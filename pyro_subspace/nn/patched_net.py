@@ -145,7 +145,8 @@ class PatchedNet(PyroModule):
     ``"w.<param>"`` per parameter tensor, ``"f"`` (outputs ``(N, O)``), ``"obs"`` in plate
     ``"data"``. The guide is `guide` (same signature). Put the model in ``train()`` mode for SVI
     (BatchNorm uses batch statistics and updates its running statistics) and ``eval()`` for
-    prediction.
+    prediction. As for any ``PyroModule``, the means live in Pyro's global param store under
+    the names ``loc_<param>``: call ``pyro.clear_param_store()`` before building a second model.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 10))
