@@ -199,15 +199,20 @@ def rel_elem(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).abs() / b.abs()).max())
 
 
-def best_of(fn, repeats: int) -> tuple[float, object]:
-    """Best wall time of ``repeats`` calls after one untimed warm-up call; and the last result."""
-    out = fn()
-    times = []
+def best_of(fns: dict, repeats: int) -> tuple[dict, dict]:
+    """Best wall time of each function over ``repeats`` interleaved rounds, and its last result.
+
+    One untimed warm-up call each, then rounds that call every function once in turn, so that
+    the load of other processes on a shared machine hits all of them alike.
+    """
+    outs = {key: fn() for key, fn in fns.items()}
+    times: dict = {key: [] for key in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), out
+        for key, fn in fns.items():
+            start = time.perf_counter()
+            outs[key] = fn()
+            times[key].append(time.perf_counter() - start)
+    return {key: min(t) for key, t in times.items()}, outs
 
 
 def part_a(args, Laplace) -> None:
@@ -219,7 +224,7 @@ def part_a(args, Laplace) -> None:
         f"    indices for both), lambda = {lam:g}, T = 1; our chunk_size = {chunk}; laplace-torch"
     )
     print(f"    DataLoader batch sizes {batches}. Agreement in float64, times in float32 (best of")
-    print(f"    {args.repeats} after a warm-up).")
+    print(f"    {args.repeats} interleaved rounds after a warm-up).")
     print()
     agree_rows, time_rows = [], []
     for name in ("diabetes", "digits"):
@@ -247,16 +252,18 @@ def part_a(args, Laplace) -> None:
         # --- timing, float32
         net32, x32, y32, xt32 = task.cast(torch.float32)
         lik32 = task.likelihood(torch.float32)
-        ours_fit = partial(fit_ours, task, net32, x32, y32, lik32, chunk)
-        t_ours, guide32 = best_of(ours_fit, args.repeats)
-        t_pred_ours, _ = best_of(partial(predict_ours, task, guide32, xt32), args.repeats)
-        trow = {"task": name, "N": n, "ours": t_ours, "ours_pred": t_pred_ours, "lt": {}}
+        fits = {"ours": partial(fit_ours, task, net32, x32, y32, lik32, chunk)}
         if Laplace is not None:
             for b in batches:
-                lt_fit = partial(fit_theirs, Laplace, task, net32, x32, y32, b)
-                trow["lt"][b], la32 = best_of(lt_fit, args.repeats)
-            t_pred_lt, _ = best_of(partial(predict_theirs, task, la32, xt32), args.repeats)
-            trow["lt_pred"] = t_pred_lt
+                fits[b] = partial(fit_theirs, Laplace, task, net32, x32, y32, b)
+        t_fit, fitted = best_of(fits, args.repeats)
+        preds = {"ours": partial(predict_ours, task, fitted["ours"], xt32)}
+        if Laplace is not None:
+            preds["lt"] = partial(predict_theirs, task, fitted[chunk], xt32)
+        t_pred, _ = best_of(preds, args.repeats)
+        trow = {"task": name, "N": n, "ours": t_fit["ours"], "ours_pred": t_pred["ours"]}
+        trow["lt"] = {b: t_fit[b] for b in batches if b in t_fit}
+        trow["lt_pred"] = t_pred.get("lt")
         time_rows.append(trow)
 
     def fmt(v) -> str:
@@ -471,7 +478,8 @@ def part_c(args) -> None:
             lambda v: ggn_vector_product(net, lik, x, v, chunk_size=2048), d, top, seed=0
         )
 
-    t_lanczos, (approx, _) = best_of(lanczos, args.repeats)
+    times, outs = best_of({"lanczos": lanczos}, args.repeats)
+    t_lanczos, (approx, _) = times["lanczos"], outs["lanczos"]
     err = float(((approx - exact).abs() / exact.abs()).max())
     num_iter = min(d, max(2 * top + 20, 3 * top))
     print(f"    dense: build G = J^T H J {t_build:.2f} s (explicit per-sample Jacobians, then")
@@ -517,7 +525,7 @@ def main() -> None:
         )
         return
     if args.repeats is None:
-        args.repeats = 1 if args.quick else 3
+        args.repeats = 1 if args.quick else 5
     if args.memory_n is None:
         args.memory_n = [250, 1000] if args.quick else [1000, 4000, 16000]
     Laplace, info = load_laplace()
