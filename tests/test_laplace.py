@@ -135,7 +135,7 @@ def test_marglik_optimum_matches_a_fine_grid_of_the_evidence():
     model = SubspaceNet(net, sub, likelihoods.Gaussian(sigma_init=0.5))
     guide = AutoSubspaceLaplace(model, prior_precision=1.0).fit(x, y)
     guide.optimize_prior_precision("marglik", optimize_sigma=True)
-    lam, sigma = float(guide.prior_precision), float(model.likelihood.sigma)
+    lam, sigma = float(guide.prior_precision), float(model.likelihood.sigma.detach())
     best = float(guide.log_marginal_likelihood())
     # A second, brute-force optimiser: fine grids through the optimum along each coordinate
     # (steps 0.5% in λ and 0.2% in σ) find nothing better and put their argmax next to it.
