@@ -14,6 +14,16 @@ def _seeded_and_clean():
     pyro.clear_param_store()
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny nets (and hundreds of tiny SVDs) run fastest on one thread; extra threads only
+    add overhead and contend on a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def conjugate_posterior(x, y, sigma, prior_scale, temperature=1.0):
     """Closed-form posterior of ``t`` for ``y ~ N(x t, σ²)``, ``t ~ N(0, s² I)``, likelihood^(1/T).
 

@@ -4,18 +4,10 @@ import json
 import math
 
 import pytest
-import torch
 
 from pyro_subspace import cli
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny nets run fastest on one thread; on a shared machine extra threads only contend."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TINY = ["--dataset", "digits", "--epochs", "8", "--samples", "10", "--no-progress"]

@@ -7,14 +7,7 @@ import torch
 
 from pyro_subspace.subspaces.frequent_directions import FrequentDirections
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Hundreds of tiny SVDs: threading only adds overhead (and contends on a busy machine).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _sketch_of(a, ell, dtype=torch.float64):

@@ -19,14 +19,7 @@ from torch.func import functional_call
 
 from pyro_subspace import PatchedNet, datasets, likelihoods, metrics
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny nets run fastest on one thread; on a shared machine extra threads only contend."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small_bn_net(seed=0):

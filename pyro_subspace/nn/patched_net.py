@@ -66,6 +66,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from ..likelihoods import Likelihood, check_temperature
+from .subspace_net import _check_inputs
 
 MODES = ("emp", "ecmp", "dropout", "dropconnect", "ensemble")
 #: normalisation layers whose affine parameters ``patches="auto"`` patches (section 3.3).
@@ -795,16 +796,6 @@ def _check_size(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
     return value
-
-
-def _check_inputs(x: object) -> int:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dim() < 1 or x.shape[0] < 1:
-        raise ValueError(f"x: expected shape (N, ...) with N >= 1, got {tuple(x.shape)}")
-    if x.is_floating_point() and not torch.isfinite(x).all():
-        raise ValueError("x: contains NaN or inf")
-    return x.shape[0]
 
 
 def _check_call(x, y, size, num_data) -> tuple[int, int | None, int]:
