@@ -196,6 +196,8 @@ class AutoSubspaceLaplace(PyroModule):
         n = _check_data(x)
         if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
             raise ValueError(f"max_iter: expected a positive int, got {max_iter!r}")
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0:
+            raise ValueError(f"tol: expected a positive number, got {tol!r}")
         k = model.rank
         t = torch.zeros(k, dtype=torch.float64, device=self.prior_loc.device)
         with torch.no_grad():
@@ -569,12 +571,12 @@ def linearized_moments(
     """
     if isinstance(guide, DiagonalLaplace):
         return guide.moments(x, chunk_size)
+    sigma = guide.covariance if covariance is None else covariance
     means, covs = [], []
-    for out, jp, _ in _jacobian_blocks(guide, x, chunk_size):
-        sigma = guide.covariance if covariance is None else covariance
+    for out, jp, jac in _jacobian_blocks(guide, x, chunk_size):
         cov = torch.einsum("nok,kj,npj->nop", jp, sigma, jp)
         if guide.isotropic_remainder:
-            cov = cov + _remainder(guide, jp, _)
+            cov = cov + _remainder(jp, jac, guide.prior_precision)
         means.append(out)
         covs.append(cov)
     return torch.cat(means), torch.cat(covs)
@@ -597,10 +599,10 @@ def _jacobian_blocks(guide: AutoSubspaceLaplace, x: torch.Tensor, chunk_size: in
             yield out.double(), jp.double(), None
 
 
-def _remainder(guide: AutoSubspaceLaplace, jp: torch.Tensor, jac: torch.Tensor) -> torch.Tensor:
+def _remainder(jp: torch.Tensor, jac: torch.Tensor, prior_precision: torch.Tensor) -> torch.Tensor:
+    """``λ⁻¹ (J Jᵀ − J_P J_Pᵀ)`` ``(n, O, O)``: the outputs' covariance from ``(I − PPᵀ)/λ``."""
     full = torch.einsum("nod,npd->nop", jac, jac)
-    low = torch.einsum("nok,npk->nop", jp, jp)
-    return (full - low) / guide.prior_precision
+    return (full - torch.einsum("nok,npk->nop", jp, jp)) / prior_precision
 
 
 def linearized_predictive(
@@ -711,8 +713,7 @@ def validation_log_likelihood(
         for b_out, jp, jac in blocks:
             cov = torch.einsum("nok,kj,npj->nop", jp, sigma, jp)
             if guide.isotropic_remainder:
-                full = torch.einsum("nod,npd->nop", jac, jac)
-                cov = cov + (full - torch.einsum("nok,npk->nop", jp, jp)) / lam
+                cov = cov + _remainder(jp, jac, lam)
             covs.append(cov)
         scores.append(_mean_log_predictive(lik, out, torch.cat(covs), y))
     return torch.stack(scores)

@@ -66,7 +66,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from ..likelihoods import Likelihood, check_temperature
-from .subspace_net import _check_inputs
+from .subspace_net import _check_inputs, check_data
 
 MODES = ("emp", "ecmp", "dropout", "dropconnect", "ensemble")
 #: normalisation layers whose affine parameters ``patches="auto"`` patches (section 3.3).
@@ -800,12 +800,7 @@ def _check_size(value: object, name: str) -> int:
 
 def _check_call(x, y, size, num_data) -> tuple[int, int | None, int]:
     """Validate a model call; return (N, subsample size, plate size)."""
-    n = _check_inputs(x)
-    if y is not None:
-        if not isinstance(y, torch.Tensor):
-            raise TypeError(f"y: expected a torch.Tensor or None, got {type(y).__name__}")
-        if y.dim() == 0 or y.shape[0] != n:
-            raise ValueError(f"y: expected {n} targets to match x, got shape {tuple(y.shape)}")
+    n = check_data(x, y)
     if size is not None:
         _check_size(size, "subsample_size")
         if size > n:

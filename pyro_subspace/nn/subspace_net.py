@@ -125,12 +125,7 @@ class SubspaceNet(PyroModule):
     def forward(
         self, x: torch.Tensor, y: torch.Tensor | None = None, subsample_size: int | None = None
     ) -> torch.Tensor:
-        n = _check_inputs(x)
-        if y is not None:
-            if not isinstance(y, torch.Tensor):
-                raise TypeError(f"y: expected a torch.Tensor or None, got {type(y).__name__}")
-            if y.dim() == 0 or y.shape[0] != n:
-                raise ValueError(f"y: expected {n} targets to match x, got shape {tuple(y.shape)}")
+        n = check_data(x, y)
         size = _check_subsample(subsample_size) or self.subsample_size
         if size is not None and size > n:
             raise ValueError(f"subsample_size: {size} exceeds the number of data points {n}")
@@ -160,6 +155,17 @@ def _check_inputs(x: torch.Tensor) -> int:
     if x.is_floating_point() and not torch.isfinite(x).all():
         raise ValueError("x: contains NaN or inf")
     return x.shape[0]
+
+
+def check_data(x: torch.Tensor, y: torch.Tensor | None) -> int:
+    """Check a model call's inputs ``(N, ...)`` and optional targets (``N`` first); return N."""
+    n = _check_inputs(x)
+    if y is not None:
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"y: expected a torch.Tensor or None, got {type(y).__name__}")
+        if y.dim() == 0 or y.shape[0] != n:
+            raise ValueError(f"y: expected {n} targets to match x, got shape {tuple(y.shape)}")
+    return n
 
 
 def _check_subsample(size: int | None) -> int | None:
