@@ -19,9 +19,9 @@ from torch import nn
 from torch.func import functional_call, jacrev, jvp, vjp, vmap
 
 from ..flat import FlatNet, eval_mode
-from ..likelihoods import Bernoulli, Categorical, Gaussian
+from ..likelihoods import Likelihood, check_likelihood
 from ..subspaces.base import Subspace
-from .output_hessian import check_likelihood, hessian_factor, output_hessian
+from .output_hessian import hessian_factor, output_hessian
 
 #: Budget (in numbers) for one block of per-sample Jacobians ``(rows, O, D)``: 50M numbers is
 #: 200 MB in float32, 400 MB in float64.
@@ -105,7 +105,7 @@ def _block_rows(fn, theta: torch.Tensor, x: torch.Tensor, chunk_size: int | None
 
 def ggn_vector_product(
     net: nn.Module,
-    likelihood: Gaussian | Categorical | Bernoulli,
+    likelihood: Likelihood,
     x: torch.Tensor,
     v: torch.Tensor,
     w: torch.Tensor | None = None,
@@ -151,7 +151,7 @@ def ggn_vector_product(
 
 def ggn_in_subspace(
     net: nn.Module,
-    likelihood: Gaussian | Categorical | Bernoulli,
+    likelihood: Likelihood,
     x: torch.Tensor,
     subspace: Subspace,
     chunk_size: int = 1024,
@@ -272,7 +272,7 @@ def _full_blocks(
 
 def ggn_diagonal(
     net: nn.Module,
-    likelihood: Gaussian | Categorical | Bernoulli,
+    likelihood: Likelihood,
     x: torch.Tensor,
     chunk_size: int | None = None,
     *,

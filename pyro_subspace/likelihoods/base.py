@@ -1,0 +1,247 @@
+"""The likelihood contract: network outputs to a distribution over targets, and its math.
+
+A `Likelihood` owns everything that depends on the observation model (GPyTorch's likelihoods are
+the model: the method lives on the likelihood, callers never dispatch on its class):
+
+- the log-density and the tempered Pyro observation (`log_prob`, `observe`);
+- the output Hessian ``H_n = −∂² log p(y|f)/∂f²`` and a factor ``L_n L_nᵀ = H_n``
+  (`output_hessian`, `hessian_factor`): the inner matrix of the GGN, Subnetwork Inference eq. (9);
+- the predictive from Gaussian output moments ``f ~ N(m, C)`` (`predictive_from_moments`:
+  closed form, probit or Monte Carlo) and from output samples (`predictive_from_samples`), each a
+  ``torch.distributions`` object, and the log density of targets under it (`predictive_log_prob`).
+
+Every likelihood takes network outputs of shape ``(..., N, O)`` (leading dimensions are draws of
+the weights) and targets of shape ``(N,)`` (``(N, 1)`` is accepted for single-output nets and
+squeezed, never broadcast to ``(N, N)``), or ``(N, O)`` for multi-output Gaussian regression.
+
+- `log_prob(outputs, y)` is the per-point log-likelihood ``log p(y_n | f_n)``, shape ``(..., N)``;
+  a user's own training loop can use ``-log_prob(...).mean()`` as its loss.
+- `observe(outputs, y, temperature)` is the Pyro statement ``pyro.sample("obs", ...)`` used inside
+  a ``pyro.plate("data", N, subsample_size=B)``: the plate scales the log-likelihood by ``N/B``
+  and ``poutine.scale`` by ``1/T``, the tempered posterior ``p(D|t)^{1/T} p(t)`` of Subspace
+  Inference eq. (3).
+"""
+
+from __future__ import annotations
+
+import torch
+from pyro import poutine
+from pyro import sample as pyro_sample
+from pyro.distributions import Distribution
+from pyro.nn import PyroModule
+
+#: Ways of turning Gaussian outputs into a predictive (`Likelihood.predictive_from_moments`).
+LINK_APPROXES = ("auto", "closed_form", "probit", "mc")
+
+
+def check_temperature(temperature: float, name: str = "temperature") -> float:
+    """Return ``temperature`` as a float after checking it is finite and positive."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"{name}: expected a positive number, got {temperature!r}")
+    if not (0 < temperature < float("inf")):
+        raise ValueError(f"{name}: expected a finite positive number, got {temperature!r}")
+    return float(temperature)
+
+
+def check_likelihood(likelihood: object, name: str = "likelihood") -> Likelihood:
+    """Return ``likelihood`` after checking it implements the `Likelihood` contract."""
+    if not isinstance(likelihood, Likelihood):
+        raise TypeError(
+            f"{name}: expected a pyro_subspace Likelihood (Gaussian, Categorical, Bernoulli or "
+            f"your own subclass), got {type(likelihood).__name__}"
+        )
+    return likelihood
+
+
+class Likelihood(PyroModule):
+    """Base class. Subclasses define `distribution`, `check_outputs`, `prepare_target`,
+    `_hessian_diagonal` or `_hessian`, `_predictive` and `predictive_log_prob`.
+
+    Contract tests: ``tests/test_likelihoods.py::LikelihoodContract`` runs every implementation
+    against autograd Hessians, closed forms and brute-force Monte Carlo.
+    """
+
+    #: number of network outputs per point this likelihood needs, or ``None`` for any.
+    num_outputs: int | None = None
+    #: True for regression (a Gaussian predictive), False for classification.
+    is_regression: bool = False
+    #: the `link_approx` values this likelihood accepts besides ``"auto"``, first = the default.
+    link_approxes: tuple[str, ...] = ("probit", "mc")
+
+    def distribution(self, outputs: torch.Tensor) -> Distribution:
+        """The observation distribution with batch shape ``(..., N)`` given outputs ``(..., N, O)``."""
+        raise NotImplementedError
+
+    def check_outputs(self, outputs: torch.Tensor) -> None:
+        """Raise ``ValueError`` if the network's outputs do not fit this likelihood."""
+        if outputs.dim() < 2:
+            raise ValueError(
+                f"outputs: expected network outputs of shape (..., N, O), got {tuple(outputs.shape)}"
+            )
+        if self.num_outputs is not None and outputs.shape[-1] != self.num_outputs:
+            raise ValueError(
+                f"outputs: {type(self).__name__} needs {self.num_outputs} network output(s) per "
+                f"point, the network gives {outputs.shape[-1]}"
+            )
+
+    def prepare_target(self, y: torch.Tensor, n: int) -> torch.Tensor:
+        """Validate targets for ``n`` points and return them in the shape `log_prob` expects."""
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"y: expected a torch.Tensor, got {type(y).__name__}")
+        if y.dim() == 0 or y.shape[0] != n:
+            raise ValueError(
+                f"y: expected {n} targets (first dimension), got shape {tuple(y.shape)}"
+            )
+        if y.is_floating_point() and not torch.isfinite(y).all():
+            raise ValueError("y: contains NaN or inf")
+        if y.dim() == 2 and y.shape[1] == 1:
+            y = y.squeeze(-1)
+        if y.dim() != 1:
+            raise ValueError(f"y: expected shape ({n},) or ({n}, 1), got {tuple(y.shape)}")
+        return y
+
+    def log_prob(self, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Per-point log-likelihood ``log p(y_n | f_n)``.
+
+        Args:
+            outputs: network outputs, shape ``(..., N, O)``.
+            y: targets, shape ``(N,)`` (or ``(N, 1)``; ``(N, O)`` for multi-output regression).
+
+        Returns:
+            Shape ``(..., N)``: untempered, unscaled.
+        """
+        y = self.validate(outputs, y)
+        return self.distribution(outputs).log_prob(y)
+
+    def validate(self, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Check ``outputs`` ``(..., N, O)`` and targets together; return the prepared targets."""
+        self.check_outputs(outputs)
+        return self.prepare_target(y, outputs.shape[-2])
+
+    def observe(
+        self,
+        outputs: torch.Tensor,
+        y: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        name: str = "obs",
+    ) -> torch.Tensor:
+        """``pyro.sample(name, p(y | f), obs=y)`` scaled by ``1/temperature``; call inside a plate.
+
+        ``y`` must already be prepared (`prepare_target`) and subsampled like ``outputs``.
+        """
+        dist = self.distribution(outputs)
+        with poutine.scale(scale=1.0 / temperature):
+            return pyro_sample(name, dist, obs=y)
+
+    def mean(self, outputs: torch.Tensor) -> torch.Tensor:
+        """Predictive mean of ``y`` given outputs: regression mean or class probabilities."""
+        return self.distribution(outputs).mean
+
+    # ------------------------------------------------------------------ curvature
+
+    def check_curvature_outputs(self, outputs: object) -> torch.Tensor:
+        """Validate finite float outputs ``(N, O)`` for the curvature methods; return them detached."""
+        if not isinstance(outputs, torch.Tensor) or not outputs.is_floating_point():
+            raise TypeError(f"outputs: expected a floating-point tensor (N, O), got {outputs!r}")
+        if outputs.dim() != 2:
+            raise ValueError(f"outputs: expected shape (N, O), got {tuple(outputs.shape)}")
+        if not torch.isfinite(outputs).all():
+            raise ValueError("outputs: contains NaN or inf")
+        self.check_outputs(outputs)
+        return outputs.detach()
+
+    def _hessian_diagonal(self, out: torch.Tensor) -> torch.Tensor:
+        """The diagonal ``(N, O)`` of a diagonal ``H_n``; likelihoods with a full ``H_n`` override
+        `_hessian` and `_hessian_factor` instead."""
+        raise NotImplementedError
+
+    def _hessian(self, out: torch.Tensor) -> torch.Tensor:
+        return torch.diag_embed(self._hessian_diagonal(out))
+
+    def _hessian_factor(self, out: torch.Tensor) -> torch.Tensor:
+        return torch.diag_embed(self._hessian_diagonal(out).sqrt())
+
+    def output_hessian(self, outputs: torch.Tensor) -> torch.Tensor:
+        """``H_n = −∂² log p(y | f) / ∂f²`` at the outputs ``f_n`` (the GGN's inner matrix,
+        Subnetwork Inference eq. 9); independent of ``y`` for every likelihood here.
+
+        Args:
+            outputs: network outputs ``(N, O)``.
+
+        Returns:
+            ``(N, O, O)``, detached, positive semi-definite.
+        """
+        return self._hessian(self.check_curvature_outputs(outputs))
+
+    def hessian_factor(self, outputs: torch.Tensor) -> torch.Tensor:
+        """``L_n`` ``(N, O, O)`` with ``L_n L_nᵀ = H_n``, so ``Σ_n (L_nᵀ J_n)ᵀ (L_nᵀ J_n)`` is
+        positive semi-definite by construction."""
+        return self._hessian_factor(self.check_curvature_outputs(outputs))
+
+    # ------------------------------------------------------------------ predictives
+
+    def check_link_approx(self, link_approx: str) -> str:
+        """Resolve ``"auto"`` and raise ``ValueError`` for a method this likelihood lacks."""
+        if link_approx not in LINK_APPROXES:
+            raise ValueError(f"link_approx: expected one of {LINK_APPROXES}, got {link_approx!r}")
+        if link_approx == "auto":
+            return self.link_approxes[0]
+        if link_approx not in self.link_approxes:
+            raise ValueError(
+                f"link_approx: {type(self).__name__} supports {self.link_approxes}, "
+                f"got {link_approx!r}"
+            )
+        return link_approx
+
+    def predictive_from_moments(
+        self,
+        f_mean: torch.Tensor,
+        f_cov: torch.Tensor,
+        link_approx: str = "auto",
+        num_samples: int = 1000,
+        generator: torch.Generator | None = None,
+        include_noise: bool = True,
+    ) -> Distribution:
+        """The predictive ``∫ p(y | f) N(f | m, C) df`` of Gaussian outputs (GLM predictive,
+        Subnetwork Inference eqs. 11–13; MoLA eq. 6 for the probit).
+
+        Args:
+            f_mean: output means ``m`` ``(N, O)``.
+            f_cov: output covariances ``C`` ``(N, O, O)``.
+            link_approx: ``"auto"`` or one of `link_approxes`: ``"closed_form"`` (Gaussian),
+                ``"probit"`` or ``"mc"`` (classification).
+            num_samples: Monte Carlo draws per input (``"mc"``).
+            generator: for the Monte Carlo draws (``None``: torch's global generator).
+            include_noise: add the observation noise (regression).
+
+        Returns:
+            A distribution with batch shape ``(N,)`` (``(N, O)`` for Gaussian regression).
+        """
+        link_approx = self.check_link_approx(link_approx)
+        if f_mean.dim() != 2 or tuple(f_cov.shape) != (*f_mean.shape, f_mean.shape[-1]):
+            raise ValueError(
+                f"f_mean, f_cov: expected shapes (N, O) and (N, O, O), got "
+                f"{tuple(f_mean.shape)} and {tuple(f_cov.shape)}"
+            )
+        return self._predictive(f_mean, f_cov, link_approx, num_samples, generator, include_noise)
+
+    def _predictive(self, f_mean, f_cov, link_approx, num_samples, generator, include_noise):
+        raise NotImplementedError
+
+    def predictive_from_samples(self, outputs: torch.Tensor) -> Distribution:
+        """The predictive of each draw of the outputs ``(..., N, O)``: batch shape ``(..., N)``
+        (``(..., N, O)`` for Gaussian regression), float64. Mixtures over the draws are formed
+        by the callers (deep ensembles, SWAG, MoLA's sampling predictive)."""
+        out = outputs.detach()
+        out = out.unsqueeze(-1) if out.dim() == 1 else out
+        self.check_outputs(out)
+        return self._predictive_from_samples(out)
+
+    def _predictive_from_samples(self, out: torch.Tensor) -> Distribution:
+        raise NotImplementedError
+
+    def predictive_log_prob(self, predictive: Distribution, y: torch.Tensor) -> torch.Tensor:
+        """Log density of the targets ``y`` ``(N,)`` under a predictive of this likelihood,
+        per point ``(N,)`` (summed over the outputs of one point; probabilities clamped at
+        ``1e-12``)."""
+        raise NotImplementedError

@@ -1,0 +1,53 @@
+"""Binary classification with a logistic link and one logit per point."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pyro.distributions import Bernoulli as _Bernoulli
+from pyro.distributions import Distribution
+
+from .._linalg import gaussian_draws
+from .base import Likelihood
+
+
+class Bernoulli(Likelihood):
+    """Binary classification: ``y_n ~ Bernoulli(sigmoid(f_n))``; one logit per point."""
+
+    num_outputs = 1
+
+    def prepare_target(self, y: torch.Tensor, n: int) -> torch.Tensor:
+        y = super().prepare_target(y, n)
+        if ((y != 0) & (y != 1)).any():
+            raise ValueError("y: Bernoulli targets must be 0 or 1")
+        return y.to(torch.get_default_dtype()) if not y.is_floating_point() else y
+
+    def distribution(self, outputs: torch.Tensor) -> Distribution:
+        return _Bernoulli(logits=outputs.squeeze(-1))
+
+    # ------------------------------------------------------------------ the contract
+
+    def _hessian_diagonal(self, out: torch.Tensor) -> torch.Tensor:
+        """``p (1 − p)`` with ``p = sigmoid(f)``."""
+        p = out.sigmoid()
+        return p * (1 - p)
+
+    def _predictive(self, f_mean, f_cov, link_approx, num_samples, generator, include_noise):
+        """``"probit"``: ``sigmoid(m / √(1 + π/8 · C))`` (MacKay 1992); ``"mc"``: the mean of
+        ``sigmoid(f)`` over ``num_samples`` draws."""
+        if link_approx == "mc":
+            draws = gaussian_draws(f_mean, f_cov, num_samples, generator)
+            probs = draws.squeeze(-1).sigmoid().mean(0)
+        else:
+            kappa = (1 + math.pi / 8 * f_cov.diagonal(dim1=-2, dim2=-1)).rsqrt()
+            probs = (f_mean * kappa).squeeze(-1).sigmoid()
+        return _Bernoulli(probs=probs)
+
+    def _predictive_from_samples(self, out: torch.Tensor) -> Distribution:
+        return _Bernoulli(probs=out.squeeze(-1).double().sigmoid())
+
+    def predictive_log_prob(self, predictive: Distribution, y: torch.Tensor) -> torch.Tensor:
+        probs = predictive.probs.clamp_min(1e-12)
+        y = self.prepare_target(y, probs.shape[-1]).to(probs.device)
+        return torch.where(y.bool(), probs, 1 - probs).clamp_min(1e-12).log()

@@ -1,0 +1,78 @@
+"""Multi-class classification with a softmax link."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pyro.distributions import Categorical as _Categorical
+from pyro.distributions import Distribution
+
+from .._linalg import gaussian_draws
+from .base import Likelihood
+
+
+class Categorical(Likelihood):
+    """Classification: ``y_n ~ Categorical(softmax(f_n))``; outputs are ``C >= 2`` logits."""
+
+    def check_outputs(self, outputs: torch.Tensor) -> None:
+        super().check_outputs(outputs)
+        if outputs.shape[-1] < 2:
+            raise ValueError(
+                f"outputs: Categorical needs >= 2 logits per point, got {outputs.shape[-1]}"
+            )
+
+    def prepare_target(self, y: torch.Tensor, n: int) -> torch.Tensor:
+        y = super().prepare_target(y, n)
+        if y.is_floating_point():
+            if (y != y.round()).any():
+                raise ValueError("y: class labels must be integers")
+            y = y.long()
+        if (y < 0).any():
+            raise ValueError("y: class labels must be non-negative")
+        return y
+
+    def distribution(self, outputs: torch.Tensor) -> Distribution:
+        return _Categorical(logits=outputs)
+
+    def validate(self, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        y = super().validate(outputs, y)
+        if (y >= outputs.shape[-1]).any():
+            raise ValueError(f"y: labels must lie in [0, {outputs.shape[-1]}) for this network")
+        return y
+
+    def mean(self, outputs: torch.Tensor) -> torch.Tensor:
+        """Class probabilities, shape ``(..., N, C)``."""
+        return outputs.softmax(-1)
+
+    # ------------------------------------------------------------------ the contract
+
+    def _hessian(self, out: torch.Tensor) -> torch.Tensor:
+        """``diag(p) − p pᵀ`` with ``p = softmax(f)``."""
+        p = out.softmax(-1)
+        return torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+
+    def _hessian_factor(self, out: torch.Tensor) -> torch.Tensor:
+        """``L = diag(√p) − p √pᵀ``, exact because ``Σ_c p_c = 1`` gives
+        ``L Lᵀ = diag(p) − 2 p pᵀ + p pᵀ``."""
+        p = out.softmax(-1)
+        sqrt_p = p.sqrt()
+        return torch.diag_embed(sqrt_p) - p[:, :, None] * sqrt_p[:, None, :]
+
+    def _predictive(self, f_mean, f_cov, link_approx, num_samples, generator, include_noise):
+        """``"probit"``: ``softmax(m_c / √(1 + π/8 · C_cc))`` (MoLA eq. 6); ``"mc"``: the mean of
+        ``softmax(f)`` over ``num_samples`` draws ``f ~ N(m, C)``."""
+        if link_approx == "mc":
+            probs = gaussian_draws(f_mean, f_cov, num_samples, generator).softmax(-1).mean(0)
+        else:
+            kappa = (1 + math.pi / 8 * f_cov.diagonal(dim1=-2, dim2=-1)).rsqrt()
+            probs = (f_mean * kappa).softmax(-1)
+        return _Categorical(probs=probs)
+
+    def _predictive_from_samples(self, out: torch.Tensor) -> Distribution:
+        return _Categorical(logits=out.double())
+
+    def predictive_log_prob(self, predictive: Distribution, y: torch.Tensor) -> torch.Tensor:
+        probs = predictive.probs.clamp_min(1e-12)
+        y = self.prepare_target(y, probs.shape[-2]).to(probs.device)
+        return probs.gather(-1, y[:, None].long()).squeeze(-1).log()

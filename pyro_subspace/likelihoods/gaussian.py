@@ -1,0 +1,151 @@
+"""Gaussian regression: fixed, learned or heteroscedastic noise."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pyro.distributions import Distribution, Normal, constraints
+from pyro.nn import PyroParam
+
+from .base import Likelihood
+
+
+class Gaussian(Likelihood):
+    """Gaussian regression: ``y_n ~ N(f_n, σ²)``, or heteroscedastic ``N(f_n[0], s(x_n)²)``.
+
+    Args:
+        sigma: observation noise standard deviation. A positive float (or a tensor of shape
+            ``(O,)`` for ``O`` outputs) keeps it fixed. ``None`` (the default) makes it a learned
+            point estimate: a Pyro parameter (``PyroParam``, constraint positive, initialised at
+            ``sigma_init``) that `fit_map` and ``SVI`` optimise (type-II maximum likelihood) and
+            that MCMC holds fixed at its current value. Our choice, so that elliptical slice
+            sampling keeps a purely Gaussian prior over ``t``.
+        heteroscedastic: the network outputs two columns per point, the mean and a raw scale;
+            the noise scale is ``softplus(raw) + min_scale`` (the paper's UCI nets, appendix G.1).
+            ``sigma`` must then be ``None``.
+        sigma_init: initial value of a learned ``sigma``.
+        min_scale: floor added to the heteroscedastic scale, for numerical safety.
+    """
+
+    is_regression = True
+    link_approxes = ("closed_form",)
+
+    def __init__(
+        self,
+        sigma: float | torch.Tensor | None = None,
+        heteroscedastic: bool = False,
+        sigma_init: float = 1.0,
+        min_scale: float = 1e-3,
+    ) -> None:
+        super().__init__()
+        self.heteroscedastic = bool(heteroscedastic)
+        self.min_scale = float(min_scale)
+        self.learn_sigma = sigma is None and not self.heteroscedastic
+        if self.heteroscedastic:
+            if sigma is not None:
+                raise ValueError(
+                    "sigma: must be None when heteroscedastic=True (the net outputs the scale)"
+                )
+            self.num_outputs = 2
+        elif sigma is None:
+            if not (isinstance(sigma_init, (int, float)) and sigma_init > 0):
+                raise ValueError(f"sigma_init: expected a positive number, got {sigma_init!r}")
+            self.sigma = PyroParam(torch.tensor(float(sigma_init)), constraint=constraints.positive)
+        else:
+            s = torch.as_tensor(sigma, dtype=torch.get_default_dtype())
+            if s.dim() > 1 or not torch.isfinite(s).all() or (s <= 0).any():
+                raise ValueError(f"sigma: expected a positive float or (O,) tensor, got {sigma!r}")
+            self.register_buffer("sigma", s)
+
+    def validate(self, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.check_outputs(outputs)
+        n, o = outputs.shape[-2], outputs.shape[-1]
+        if self.heteroscedastic or o == 1:
+            return self.prepare_target(y, n)
+        if not isinstance(y, torch.Tensor) or tuple(y.shape) != (n, o):
+            got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+            raise ValueError(f"y: expected shape ({n}, {o}) for a net with {o} outputs, got {got}")
+        if not y.is_floating_point() or not torch.isfinite(y).all():
+            raise ValueError(
+                "y: expected finite floating-point targets (NaN, inf or integers found)"
+            )
+        return y
+
+    def prepare_target(self, y: torch.Tensor, n: int) -> torch.Tensor:
+        y = super().prepare_target(y, n)
+        if not y.is_floating_point():
+            raise TypeError(f"y: Gaussian regression needs floating-point targets, got {y.dtype}")
+        return y
+
+    def loc_scale(self, outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and standard deviation of ``y``, each ``(..., N)`` (or ``(..., N, O)``)."""
+        if self.heteroscedastic:
+            return outputs[..., 0], F.softplus(outputs[..., 1]) + self.min_scale
+        loc = outputs.squeeze(-1) if outputs.shape[-1] == 1 else outputs
+        return loc, self.sigma.to(loc).expand(loc.shape)
+
+    def distribution(self, outputs: torch.Tensor) -> Distribution:
+        loc, scale = self.loc_scale(outputs)
+        dist = Normal(loc, scale)
+        return dist.to_event(1) if loc.dim() == outputs.dim() else dist
+
+    def variance(self, outputs: torch.Tensor) -> torch.Tensor:
+        """Observation-noise variance ``σ²`` per point, shape like `loc_scale`'s outputs."""
+        return self.loc_scale(outputs)[1].square()
+
+    # ------------------------------------------------------------------ the contract
+
+    def check_curvature_outputs(self, outputs: object) -> torch.Tensor:
+        out = super().check_curvature_outputs(outputs)
+        if self.learn_sigma or self.heteroscedastic:
+            return out
+        if self.sigma.numel() not in (1, out.shape[1]):
+            raise ValueError(
+                f"outputs: {out.shape[1]} columns, but the likelihood's sigma has "
+                f"{self.sigma.numel()} entries"
+            )
+        return out
+
+    def _hessian_diagonal(self, out: torch.Tensor) -> torch.Tensor:
+        """Homoscedastic: ``1/σ²`` (``σ`` fixed, per output, or a learned ``PyroParam`` at its
+        current value). Heteroscedastic (columns mean ``μ`` and raw scale ``r``,
+        ``s = softplus(r) + min_scale``): the true Hessian in ``r`` depends on ``y`` and can be
+        negative, so we use the Fisher ``E_y[∇ log p ∇ log pᵀ]``, positive semi-definite. With
+        ``z = (y − μ)/s ~ N(0, 1)`` the score is ``(z/s, (z² − 1) s'/s)``, ``s' = sigmoid(r)``;
+        ``E[z²] = 1``, ``E[z³] = 0``, ``E[(z² − 1)²] = 2`` give ``diag(1/s², 2 s'²/s²)``."""
+        scale = self.loc_scale(out)[1].detach()
+        if not self.heteroscedastic:
+            return scale.reshape(out.shape).square().reciprocal()
+        ds = out[:, 1].sigmoid()  # d softplus(raw) / d raw
+        return torch.stack([scale.square().reciprocal(), 2 * ds.square() / scale.square()], -1)
+
+    def _predictive(self, f_mean, f_cov, link_approx, num_samples, generator, include_noise):
+        """``N(m, C_oo + σ²)`` per output (closed form); a heteroscedastic net's mean column with
+        its predicted ``s(x)²`` at the mean outputs."""
+        var_f = f_cov.diagonal(dim1=-2, dim2=-1)
+        with torch.no_grad():
+            noise = self.variance(f_mean).detach().to(var_f)
+        if self.heteroscedastic:
+            mean, var = f_mean[:, :1], var_f[:, :1]
+            noise = noise[:, None]
+        else:
+            mean, var = f_mean, var_f
+            noise = noise.reshape(mean.shape)
+        return Normal(mean, (var + noise if include_noise else var).sqrt())
+
+    def _predictive_from_samples(self, out: torch.Tensor) -> Distribution:
+        with torch.no_grad():
+            loc, scale = self.loc_scale(out)
+        if loc.dim() == out.dim() - 1:
+            loc, scale = loc.unsqueeze(-1), scale.unsqueeze(-1)
+        return Normal(loc.double(), scale.double())
+
+    def predictive_log_prob(self, predictive: Distribution, y: torch.Tensor) -> torch.Tensor:
+        mean = predictive.mean
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"y: expected a torch.Tensor, got {type(y).__name__}")
+        n, o = mean.shape[-2:]
+        if y.numel() != n * o or y.shape[0] != n:
+            raise ValueError(f"y: expected {n} targets with {o} output(s), got {tuple(y.shape)}")
+        yy = y.reshape(n, o).to(mean)
+        return predictive.log_prob(yy).sum(-1)
