@@ -19,12 +19,12 @@ def test_dense_and_index_weights_match_dense_linear_algebra():
     basis = torch.randn(d, k, dtype=torch.float64)
     t = torch.randn(5, 3, k, dtype=torch.float64)
     dense = Subspace(shift, basis)
-    assert dense.rank == k and dense.dim == d and not dense.is_index
+    assert dense.rank == k and dense.dim == d and dense.kind == "dense"
     assert torch.allclose(dense.weights(t), shift + torch.einsum("dk,...k->...d", basis, t))
     idx = torch.tensor([7, 0, 3, 11])
     sub = Subspace(shift, idx)
     eye = torch.eye(d, dtype=torch.float64)[:, idx]  # the (D, K) unit columns, built independently
-    assert sub.is_index and sub.rank == 4
+    assert sub.kind != "dense" and sub.rank == 4
     assert torch.allclose(sub.weights(t), shift + torch.einsum("dk,...k->...d", eye, t))
     assert torch.equal(sub.dense_basis(), eye)
     v = torch.randn(2, d, dtype=torch.float64)
@@ -62,7 +62,7 @@ def test_save_load_and_device_dtype(tmp_path):
         assert torch.equal(whole.weights(torch.ones(3)), sub.weights(torch.ones(3)))
         moved = sub.to(torch.float64).to("cpu")
         assert moved.shift.dtype == torch.float64
-        assert moved.basis.dtype == (torch.int64 if sub.is_index else torch.float64)
+        assert moved.basis.dtype == (torch.int64 if sub.kind != "dense" else torch.float64)
 
 
 @pytest.mark.parametrize(

@@ -16,25 +16,13 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.func import functional_call, jacrev, jvp, vjp, vmap
+from torch.func import jvp, vjp
 
 from ..flat import FlatNet, eval_mode
+from ..jacobians import MAX_JACOBIAN_NUMBERS, as_2d, full_jacobian_blocks
 from ..likelihoods import Likelihood, check_likelihood
 from ..subspaces.base import Subspace
 from .output_hessian import hessian_factor, output_hessian
-
-#: Budget (in numbers) for one block of per-sample Jacobians ``(rows, O, D)``: 50M numbers is
-#: 200 MB in float32, 400 MB in float64.
-MAX_JACOBIAN_NUMBERS = 50_000_000
-
-
-def _as_2d(out: torch.Tensor) -> torch.Tensor:
-    if out.dim() == 1:
-        return out.unsqueeze(-1)
-    if out.dim() != 2:
-        raise ValueError(f"net: expected outputs of shape (N, O) or (N,), got {tuple(out.shape)}")
-    return out
-
 
 def _setup(
     net: nn.Module, likelihood: object, x: object, w: torch.Tensor | None, chunk_size: object
@@ -57,50 +45,6 @@ def _setup(
         return flat, flat.vector()
     flat.check_weights(w, "w", batched=False)
     return flat, w.detach()
-
-
-def _restricted_call(flat: FlatNet, w: torch.Tensor, idx: torch.Tensor):
-    """The net as a function of only the parameter tensors that hold the flat indices ``idx``.
-
-    Returns ``theta`` (the concatenated touched tensors, ``(D_t,)``), the positions of ``idx`` in
-    ``theta`` (``(K,)``) and ``fn(theta, x)``; the other parameters stay at ``w``.
-    """
-    params = flat.unflatten(w)
-    starts = torch.tensor([0, *flat.numels], device=w.device).cumsum(0)
-    pos = torch.full((w.numel(),), -1, dtype=torch.long, device=w.device)
-    touched, offset = [], 0
-    for j, name in enumerate(flat.names):
-        a, b = int(starts[j]), int(starts[j + 1])
-        if ((idx >= a) & (idx < b)).any():
-            touched.append(j)
-            pos[a:b] = torch.arange(offset, offset + b - a, device=w.device)
-            offset += b - a
-    theta = torch.cat([params[flat.names[j]].reshape(-1) for j in touched])
-    buffers = dict(flat.net.named_buffers())
-
-    def fn(th: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        pieces = torch.split(th, [flat.numels[j] for j in touched])
-        new = {flat.names[j]: p.reshape(flat.shapes[j]) for j, p in zip(touched, pieces)}
-        return functional_call(flat.net, {**params, **new, **buffers}, (x,))
-
-    return theta, pos[idx], fn
-
-
-def _per_sample_jacobians(fn, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``∂f(x_n)/∂θ`` for every row, shape ``(n, O, len(θ))`` (``vmap`` of ``jacrev``)."""
-
-    def one(th: torch.Tensor, xn: torch.Tensor) -> torch.Tensor:
-        return fn(th, xn.unsqueeze(0)).reshape(-1)
-
-    return vmap(jacrev(one), in_dims=(None, 0))(theta, x)
-
-
-def _block_rows(fn, theta: torch.Tensor, x: torch.Tensor, chunk_size: int | None) -> int:
-    """Rows per block so that ``rows·O·len(θ) <= MAX_JACOBIAN_NUMBERS`` (and ``<= chunk_size``)."""
-    with torch.no_grad():
-        o = _as_2d(fn(theta, x[:1])).shape[1]
-    rows = max(1, MAX_JACOBIAN_NUMBERS // (o * theta.numel()))
-    return min(rows, chunk_size) if chunk_size is not None else rows
 
 
 def ggn_vector_product(
@@ -140,7 +84,7 @@ def ggn_vector_product(
                 return flat(wv, xc)
 
             out, jv = jvp(f, (w,), (v,))
-            out2 = _as_2d(out)
+            out2 = as_2d(out)
             hjv = torch.einsum(
                 "nop,np->no", output_hessian(likelihood, out2), jv.reshape(out2.shape)
             )
@@ -197,11 +141,14 @@ def subspace_jacobians(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Blocks of outputs and subspace Jacobians ``J_n P``, never the full ``(N·O, D)`` Jacobian.
 
-    - Dense basis: ``J_c P`` for a chunk of rows by ``vmap`` over the ``K`` basis columns of
-      ``jvp``: memory ``chunk_size·K·(O + activations)``.
-    - Index basis (a subnetwork): per-sample Jacobians (``vmap`` of ``jacrev``) with respect to
+    The subspace's kind produces them (`Subspace.jacobian_blocks`):
+
+    - dense basis: ``J_c P`` for a chunk of rows by ``vmap`` over the ``K`` basis columns of
+      ``jvp``: memory ``chunk_size·K·(O + activations)``;
+    - index basis (a subnetwork): per-sample Jacobians (``vmap`` of ``jacrev``) with respect to
       only the parameter tensors that hold a selected weight (``D_t`` numbers), then indexed:
-      blocks of at most ``min(chunk_size, MAX_JACOBIAN_NUMBERS // (O·D_t))`` rows.
+      blocks of at most ``min(chunk_size, MAX_JACOBIAN_NUMBERS // (O·D_t))`` rows;
+    - last layer: from the penultimate features in one forward pass, no differentiation.
 
     Args:
         net: the network; evaluated in eval mode at ``w``.
@@ -219,31 +166,7 @@ def subspace_jacobians(
         raise TypeError(f"subspace: expected a Subspace, got {type(subspace).__name__}")
     if subspace.dim != w.numel():
         raise ValueError(f"subspace: has D={subspace.dim}, the network has {w.numel()} weights")
-    return _subspace_blocks(flat, x, subspace, chunk_size, w)
-
-
-def _subspace_blocks(
-    flat: FlatNet, x: torch.Tensor, subspace: Subspace, chunk_size: int | None, w: torch.Tensor
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    k = subspace.rank
-    with eval_mode(flat.net):
-        if not subspace.is_index:
-            tangents = subspace.basis.T.to(w)  # shape: (K, D)
-            for xc in x.split(chunk_size or 1024):
-
-                def f(wv: torch.Tensor, xc: torch.Tensor = xc) -> torch.Tensor:
-                    return flat(wv, xc)
-
-                outs, jp = vmap(lambda u, f=f: jvp(f, (w,), (u,)))(tangents)
-                out = _as_2d(outs[0])
-                yield out.detach(), jp.reshape(k, *out.shape).permute(1, 2, 0).detach()
-        else:
-            theta, local, fn = _restricted_call(flat, w, subspace.basis.to(w.device))
-            for xc in x.split(_block_rows(fn, theta, x, chunk_size)):
-                jac = _per_sample_jacobians(fn, theta, xc)[..., local]  # shape: (n, O, K)
-                with torch.no_grad():
-                    out = _as_2d(fn(theta, xc))
-                yield out, jac.detach()
+    return subspace.jacobian_blocks(flat, x, w, chunk_size)
 
 
 def full_jacobians(
@@ -256,18 +179,7 @@ def full_jacobians(
     low-rank Laplace; memory about twice one block.
     """
     flat, w = _setup(net, None, x, w, chunk_size)
-    return _full_blocks(flat, x, chunk_size, w)
-
-
-def _full_blocks(
-    flat: FlatNet, x: torch.Tensor, chunk_size: int | None, w: torch.Tensor
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    with eval_mode(flat.net):
-        for xc in x.split(_block_rows(flat, w, x, chunk_size)):
-            jac = _per_sample_jacobians(flat, w, xc)  # shape: (n, O, D)
-            with torch.no_grad():
-                out = _as_2d(flat(w, xc))
-            yield out, jac.detach()
+    return full_jacobian_blocks(flat, x, chunk_size, w)
 
 
 def ggn_diagonal(

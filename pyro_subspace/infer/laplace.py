@@ -116,17 +116,10 @@ class AutoSubspaceLaplace(PyroModule):
         self.chunk_size = chunk_size
         self.isotropic_remainder = bool(isotropic_remainder)
         dtype, device = torch.float64, sub.shift.device
-        if sub.is_index:
-            gram = torch.eye(k, dtype=dtype, device=device)
-            mean = -sub.shift[sub.basis].to(dtype) if prior_mean == "zero" else None
-        else:
-            basis = sub.basis.to(dtype)
-            gram = basis.T @ basis
-            mean = None
-            if prior_mean == "zero":
-                mean = -torch.linalg.solve(gram, basis.T @ sub.shift.to(dtype))
+        gram = sub.gram()
+        mean = sub.origin() if prior_mean == "zero" else None
         if self.isotropic_remainder:
-            if sub.is_index:
+            if sub.kind != "dense":
                 raise ValueError(
                     "isotropic_remainder: a subnetwork already leaves the other weights at the "
                     "MAP; use it with a dense orthonormal basis such as subspaces.ggn_eigen"

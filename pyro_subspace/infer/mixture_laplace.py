@@ -447,26 +447,9 @@ def _last_module(net: nn.Module) -> nn.Module:
 
 
 def _last_linear_rows(model: SubspaceNet) -> torch.Tensor | None:
-    """Coordinates of each output's row ``[W_c, b_c]`` when the subspace is exactly a last
-    ``nn.Linear`` layer (index basis, weight then bias), as a ``(C, P̃)`` index tensor; else None."""
-    sub, net = model.subspace, model.flat.net
-    last = _last_module(net)
-    if not sub.is_index or type(last) is not nn.Linear:
-        return None
-    start = 0
-    for p in net.parameters():
-        if p is last.weight:
-            break
-        start += p.numel()
-    c, p_in = last.weight.shape
-    n_bias = 0 if last.bias is None else c
-    expected = torch.arange(start, start + c * p_in + n_bias, device=sub.basis.device)
-    if sub.rank != expected.numel() or not torch.equal(sub.basis, expected):
-        return None
-    rows = torch.arange(c * p_in, device=sub.basis.device).reshape(c, p_in)
-    if n_bias:
-        rows = torch.cat([rows, c * p_in + torch.arange(c, device=rows.device)[:, None]], dim=1)
-    return rows
+    """Coordinates ``(C, P̃)`` of each output's row ``[W_c, b_c]`` for a last-layer subspace."""
+    sub = model.subspace
+    return sub.rows if sub.kind == "last_layer" else None
 
 
 def _mc_softmax(
@@ -527,7 +510,7 @@ def far_away_confidence_bound(mola: MixtureOfLaplace) -> float:
             )
         c, p = params[0].shape
         sub = model.subspace
-        if not sub.is_index or sub.rank != c * p:
+        if sub.kind != "last_layer" or sub.rank != c * p:
             raise ValueError(
                 "mola: the bound needs subset='last_layer' (the last weight matrix only)"
             )

@@ -1,9 +1,18 @@
 """`Subspace`: an affine subspace ``w = ŵ + P t`` of a network's flat weight space.
 
 Subspace Inference (Izmailov et al., 2019), eq. (1): ``S = {w | w = ŵ + P t}`` with the shift
-``ŵ`` of shape ``(D,)`` and the basis ``P`` of shape ``(D, K)``. The basis is stored either dense
-(random, PCA, curve and GGN-eigen subspaces) or as an index selection (a subnetwork: ``K`` unit
-columns ``e_i``, never materialised as a ``(D, K)`` matrix).
+``ŵ`` of shape ``(D,)`` and the basis ``P`` of shape ``(D, K)``. One interface, several kinds:
+
+- `DenseSubspace` (``kind="dense"``): a dense ``(D, K)`` basis (random, PCA, curve, GGN-eigen);
+- `IndexSubspace` (``kind="index"``): ``K`` unit columns ``e_i`` given by flat indices (a
+  subnetwork), never materialised as a ``(D, K)`` matrix;
+- `LastLayerSubspace` (``kind="last_layer"``, in `last_layer.py`): the weights and bias of a final
+  ``nn.Linear``, whose Jacobian comes from the penultimate features in one forward pass.
+
+Each kind knows its Gram matrix ``PᵀP`` (`gram`) and how to produce Jacobian blocks ``J_n P``
+(`jacobian_blocks`); every curvature and predictive computation goes through these, so no code
+outside this package asks which kind it holds. ``Subspace(shift, basis)`` builds the dense or
+index kind from the basis's dtype.
 """
 
 from __future__ import annotations
@@ -12,6 +21,9 @@ import os
 
 import torch
 from torch import nn
+
+from ..flat import FlatNet
+from ..jacobians import Blocks, dense_jacobian_blocks, index_jacobian_blocks
 
 
 class Subspace(nn.Module):
@@ -34,6 +46,15 @@ class Subspace(nn.Module):
 
     shift: torch.Tensor
     basis: torch.Tensor
+    #: ``"dense"``, ``"index"`` or ``"last_layer"``.
+    kind: str = "dense"
+
+    def __new__(cls, *args: object, **kwargs: object) -> Subspace:
+        if cls is Subspace:  # pick the kind from the basis
+            basis = args[1] if len(args) > 1 else kwargs.get("basis")
+            index = isinstance(basis, torch.Tensor) and not basis.is_floating_point()
+            cls = IndexSubspace if index else DenseSubspace
+        return super().__new__(cls)
 
     def __init__(self, shift: torch.Tensor, basis: torch.Tensor) -> None:
         super().__init__()
@@ -71,18 +92,18 @@ class Subspace(nn.Module):
             raise TypeError(
                 f"basis: expected a float (D, K) or integer (K,) tensor, got {basis.dtype}"
             )
+        if (self.kind == "dense") != basis.is_floating_point():
+            raise TypeError(
+                f"basis: a {type(self).__name__} needs "
+                f"{'a dense float' if self.kind == 'dense' else 'an integer index'} basis"
+            )
         self.register_buffer("shift", shift.detach().clone())
         self.register_buffer("basis", basis.detach().clone())
 
     @property
-    def is_index(self) -> bool:
-        """True when the basis is an index selection (a subnetwork)."""
-        return not self.basis.is_floating_point()
-
-    @property
     def rank(self) -> int:
         """``K``, the number of coordinates ``t``."""
-        return self.basis.shape[-1] if not self.is_index else self.basis.shape[0]
+        return self.basis.shape[-1]
 
     @property
     def dim(self) -> int:
@@ -100,10 +121,7 @@ class Subspace(nn.Module):
     def direction(self, t: torch.Tensor) -> torch.Tensor:
         """``P t``: map coordinates ``(..., K)`` to a weight-space direction ``(..., D)``."""
         self._check_t(t)
-        if self.is_index:
-            out = t.new_zeros(*t.shape[:-1], self.dim)
-            return out.index_add(-1, self.basis, t)
-        return t @ self.basis.T
+        return self._direction(t)
 
     def weights(self, t: torch.Tensor) -> torch.Tensor:
         """``ŵ + P t``: map coordinates ``(..., K)`` to flat weights ``(..., D)`` (eq. 1).
@@ -112,21 +130,13 @@ class Subspace(nn.Module):
         guide for a float64 network.
         """
         self._check_t(t)
-        t = t.to(self.shift.dtype)
-        if self.is_index:
-            w = self.shift.expand(*t.shape[:-1], self.dim)
-            return w.index_add(-1, self.basis, t)
-        return torch.addmm(self.shift, t.reshape(-1, self.rank), self.basis.T).reshape(
-            *t.shape[:-1], self.dim
-        )
+        return self._weights(t.to(self.shift.dtype))
 
     def transpose_apply(self, v: torch.Tensor) -> torch.Tensor:
         """``Pᵀ v``: map a weight-space vector ``(..., D)`` to ``(..., K)``."""
         if v.shape[-1] != self.dim:
             raise ValueError(f"v: expected shape (..., {self.dim}), got {tuple(v.shape)}")
-        if self.is_index:
-            return v[..., self.basis]
-        return v @ self.basis
+        return self._transpose_apply(v)
 
     def project(self, w: torch.Tensor) -> torch.Tensor:
         """Least-squares coordinates ``t`` of weights ``(..., D)``: ``argmin_t ‖ŵ + P t − w‖``.
@@ -134,20 +144,30 @@ class Subspace(nn.Module):
         Dense bases are solved with ``torch.linalg.lstsq``; index bases read off the entries.
         Returns shape ``(..., K)``.
         """
-        r = w - self.shift
-        if self.is_index:
-            return self.transpose_apply(r)
-        flat = r.reshape(-1, self.dim).T  # shape: (D, B)
-        sol = torch.linalg.lstsq(self.basis, flat).solution  # shape: (K, B)
-        return sol.T.reshape(*w.shape[:-1], self.rank)
+        return self._project(w - self.shift)
+
+    def origin(self) -> torch.Tensor:
+        """Coordinates ``t₀ = −(PᵀP)⁻¹ Pᵀ ŵ`` ``(K,)`` (float64) of the point of the subspace
+        nearest to zero weights: the mean of the weight prior ``w ~ N(0, λ⁻¹ I)`` restricted to
+        the subspace (its precision is ``λ PᵀP``, see `gram`)."""
+        return -torch.linalg.solve(self.gram(), self.transpose_apply(self.shift).double())
+
+    def gram(self) -> torch.Tensor:
+        """``PᵀP`` ``(K, K)``, float64."""
+        basis = self.dense_basis().double()
+        return basis.T @ basis
+
+    def jacobian_blocks(
+        self, flat: FlatNet, x: torch.Tensor, w: torch.Tensor, chunk_size: int | None = 1024
+    ) -> Blocks:
+        """Blocks ``(outputs (n, O), J_n P (n, O, K))`` at the flat weights ``w`` ``(D,)``,
+        detached, in ``w``'s dtype; never the full ``(N·O, D)`` Jacobian. ``chunk_size``
+        bounds the rows per block (``None``: the memory budget of `jacobians`)."""
+        raise NotImplementedError
 
     def dense_basis(self) -> torch.Tensor:
         """The basis as a dense ``(D, K)`` matrix (materialises index selections: use sparingly)."""
-        if not self.is_index:
-            return self.basis
-        eye = torch.zeros(self.dim, self.rank, dtype=self.shift.dtype, device=self.shift.device)
-        eye[self.basis, torch.arange(self.rank, device=self.basis.device)] = 1.0
-        return eye
+        raise NotImplementedError
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the subspace to ``path`` with ``torch.save`` (plain tensors only)."""
@@ -162,5 +182,70 @@ class Subspace(nn.Module):
         return cls(state["shift"], state["basis"])
 
     def extra_repr(self) -> str:
-        kind = "index" if self.is_index else "dense"
-        return f"D={self.dim}, K={self.rank}, basis={kind}"
+        return f"D={self.dim}, K={self.rank}, basis={self.kind}"
+
+
+class DenseSubspace(Subspace):
+    """A subspace with a dense ``(D, K)`` basis: random, PCA, curve, GGN-eigen."""
+
+    kind = "dense"
+
+    def _direction(self, t: torch.Tensor) -> torch.Tensor:
+        return t @ self.basis.T
+
+    def _weights(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.shift, t.reshape(-1, self.rank), self.basis.T).reshape(
+            *t.shape[:-1], self.dim
+        )
+
+    def _transpose_apply(self, v: torch.Tensor) -> torch.Tensor:
+        return v @ self.basis
+
+    def _project(self, r: torch.Tensor) -> torch.Tensor:
+        flat = r.reshape(-1, self.dim).T  # shape: (D, B)
+        sol = torch.linalg.lstsq(self.basis, flat).solution  # shape: (K, B)
+        return sol.T.reshape(*r.shape[:-1], self.rank)
+
+    def dense_basis(self) -> torch.Tensor:
+        return self.basis
+
+    def jacobian_blocks(self, flat, x, w, chunk_size=1024) -> Blocks:
+        """``K`` forward-mode passes (``jvp``) per chunk of rows."""
+        return dense_jacobian_blocks(flat, x, self.basis, chunk_size, w)
+
+
+class IndexSubspace(Subspace):
+    """A subnetwork: the basis is ``K`` distinct flat indices, its columns the unit vectors."""
+
+    kind = "index"
+
+    @property
+    def rank(self) -> int:
+        return self.basis.shape[0]
+
+    def _direction(self, t: torch.Tensor) -> torch.Tensor:
+        return t.new_zeros(*t.shape[:-1], self.dim).index_add(-1, self.basis, t)
+
+    def _weights(self, t: torch.Tensor) -> torch.Tensor:
+        return self.shift.expand(*t.shape[:-1], self.dim).index_add(-1, self.basis, t)
+
+    def _transpose_apply(self, v: torch.Tensor) -> torch.Tensor:
+        return v[..., self.basis]
+
+    def _project(self, r: torch.Tensor) -> torch.Tensor:
+        return self._transpose_apply(r)
+
+    def origin(self) -> torch.Tensor:
+        return -self.shift[self.basis].double()
+
+    def gram(self) -> torch.Tensor:
+        return torch.eye(self.rank, dtype=torch.float64, device=self.shift.device)
+
+    def dense_basis(self) -> torch.Tensor:
+        eye = torch.zeros(self.dim, self.rank, dtype=self.shift.dtype, device=self.shift.device)
+        eye[self.basis, torch.arange(self.rank, device=self.basis.device)] = 1.0
+        return eye
+
+    def jacobian_blocks(self, flat, x, w, chunk_size=1024) -> Blocks:
+        """Per-sample Jacobians through only the parameter tensors holding a selected weight."""
+        return index_jacobian_blocks(flat, x, self.basis, chunk_size, w)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..flat import FlatNet
+from .last_layer import LastLayerSubspace, find_last_layer, last_layer_indices
 from .base import Subspace
 from .pca import SWACollector
 
@@ -124,11 +125,11 @@ def subnetwork(
     if scored:
         chosen = torch.topk(score.to(shift.device), n_params).indices
     elif strategy == "last_layer":
-        last = [m for m in net.modules() if list(m.parameters(recurse=False))][-1]
-        chosen = torch.cat([
-            torch.arange(*_offsets(net)[n]) for n, p in net.named_parameters()
-            if any(p is q for q in last.parameters(recurse=False))
-        ])  # fmt: skip
+        chosen = last_layer_indices(net)
+        if type(find_last_layer(net)[1]) is nn.Linear and (
+            n_params is None or n_params == chosen.numel()
+        ):  # the kind whose Jacobian comes from the penultimate features
+            return LastLayerSubspace(net, shift)
     elif strategy == "names":
         if not names:
             raise ValueError("names: 'names' needs a non-empty list of parameter or module names")

@@ -1,0 +1,104 @@
+"""The last-layer subspace: the weights and bias of a network's final ``nn.Linear``.
+
+A last linear layer ``f = W φ(x) + b`` is linear in its own weights, so the Jacobian of the
+outputs with respect to them needs no differentiation: ``∂f_c/∂W_{c'p} = δ_{cc'} φ_p`` and
+``∂f_c/∂b_{c'} = δ_{cc'}``, with the penultimate features ``φ`` read in one forward pass (MoLA
+A.2; the last-layer Laplace of Kristiadi et al., 2020). The output covariance of a Gaussian
+``N(·, Σ)`` over these weights is then ``C_cd = φ̃ᵀ Σ_(c,d) φ̃`` with ``φ̃ = [φ, 1]``
+(`LastLayerSubspace.feature_blocks` + `rows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..flat import FlatNet, eval_mode
+from ..jacobians import Blocks, as_2d
+from .base import IndexSubspace
+
+
+def find_last_layer(net: nn.Module) -> tuple[str, nn.Module]:
+    """``(name, module)`` of the last module (in ``net.modules()`` order) that holds parameters
+    of its own: the one definition of "the last layer" in this library."""
+    if not isinstance(net, nn.Module):
+        raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
+    found = [(n, m) for n, m in net.named_modules() if list(m.parameters(recurse=False))]
+    if not found:
+        raise ValueError("net: the network has no parameters")
+    return found[-1]
+
+
+def last_layer_indices(net: nn.Module) -> torch.Tensor:
+    """Flat indices (in ``parameters_to_vector`` order) of every parameter of `find_last_layer`."""
+    _, last = find_last_layer(net)
+    own = [id(p) for p in last.parameters(recurse=False)]
+    spans, offset = [], 0
+    for p in net.parameters():
+        if id(p) in own:
+            spans.append(torch.arange(offset, offset + p.numel()))
+        offset += p.numel()
+    return torch.cat(spans)
+
+
+class LastLayerSubspace(IndexSubspace):
+    """The subspace of the final ``nn.Linear``'s weight (row-major) and bias.
+
+    Args:
+        net: the network; its last module with parameters must be an ``nn.Linear``.
+        shift: the flat weights ``ŵ`` ``(D,)``; default the network's current weights.
+
+    ``rows`` ``(C, P̃)`` gives, for each output ``c``, the coordinates of ``[W_c, b_c]``
+    (``P̃ = P + 1`` with a bias). Persistence: build ``LastLayerSubspace(net)`` again and
+    ``load_state_dict``.
+    """
+
+    kind = "last_layer"
+    rows: torch.Tensor
+
+    def __init__(self, net: nn.Module, shift: torch.Tensor | None = None) -> None:
+        name, last = find_last_layer(net)
+        if type(last) is not nn.Linear:
+            raise TypeError(
+                f"net: the last layer {name!r} is a {type(last).__name__}, not an nn.Linear; "
+                "use subspaces.subnetwork(net, strategy='last_layer') for an index subspace"
+            )
+        flat = FlatNet(net)
+        shift = flat.vector() if shift is None else shift
+        super().__init__(shift, last_layer_indices(net).to(shift.device))
+        self.layer_name = name
+        c, p = last.weight.shape
+        rows = torch.arange(c * p).reshape(c, p)
+        if last.bias is not None:
+            rows = torch.cat([rows, c * p + torch.arange(c)[:, None]], dim=1)
+        self.register_buffer("rows", rows.to(shift.device))
+
+    def feature_blocks(
+        self, flat: FlatNet, x: torch.Tensor, w: torch.Tensor, chunk_size: int | None = 1024
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(outputs (n, C), φ̃ (n, P̃))`` per chunk at the flat weights ``w``: one forward pass
+        each, the penultimate features read by a forward hook on the last layer."""
+        layer = flat.net.get_submodule(self.layer_name)
+        feats: list[torch.Tensor] = []
+        handle = layer.register_forward_hook(lambda m, inp, out: feats.append(inp[0]))
+        try:
+            with torch.no_grad(), eval_mode(flat.net):
+                for xc in x.split(chunk_size or 4096):
+                    out = as_2d(flat(w, xc))
+                    phi = feats.pop().detach().reshape(xc.shape[0], -1).to(out)
+                    if self.rows.shape[1] > phi.shape[1]:  # bias column
+                        phi = torch.cat([phi, torch.ones_like(phi[:, :1])], dim=1)
+                    yield out, phi
+        finally:
+            handle.remove()
+
+    def jacobian_blocks(self, flat, x, w, chunk_size=1024) -> Blocks:
+        """``J_n P`` from the features: ``(J P)_{c, rows[c, p]} = φ̃_p``, zero elsewhere."""
+        c, k = self.rows.shape[0], self.rank
+        for out, phi in self.feature_blocks(flat, x, w, chunk_size):
+            jp = phi.new_zeros(out.shape[0], c, k)
+            index = self.rows.expand(out.shape[0], -1, -1)
+            jp.scatter_(2, index, phi[:, None, :].expand(-1, c, -1))
+            yield out, jp
