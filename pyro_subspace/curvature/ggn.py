@@ -123,12 +123,24 @@ def ggn_in_subspace(
         Shape ``(K, K)``, in ``w``'s dtype.
     """
     _, w = _setup(net, likelihood, x, w, chunk_size)
-    blocks = subspace_jacobians(net, x, subspace, chunk_size, w=w)
-    total = w.new_zeros(subspace.rank, subspace.rank)
+    total = ggn_from_blocks(likelihood, subspace_jacobians(net, x, subspace, chunk_size, w=w))
+    return ((total + total.T) / 2).detach()
+
+
+def ggn_from_blocks(
+    likelihood: Likelihood,
+    blocks: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    diagonal: bool = False,
+    total: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Accumulate ``Σ_n (L_nᵀ J_n P)ᵀ (L_nᵀ J_n P)`` (``(K, K)``, or its diagonal ``(K,)``)
+    over blocks ``(outputs (n, O), J_n P (n, O, K))`` onto ``total`` (``None``: start at zero;
+    returns ``None`` for no blocks). Positive semi-definite by construction."""
     for out, jp in blocks:
         a = torch.einsum("nok,noc->nck", jp, hessian_factor(likelihood, out))
-        total += torch.einsum("nck,ncj->kj", a, a)
-    return ((total + total.T) / 2).detach()
+        part = a.square().sum((0, 1)) if diagonal else torch.einsum("nck,ncj->kj", a, a)
+        total = part if total is None else total + part
+    return total
 
 
 def subspace_jacobians(

@@ -16,7 +16,6 @@ eq. (3), summed over the full training set in chunks, without gradients.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -25,9 +24,7 @@ from typing import Any
 import torch
 from pyro import poutine
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
-from torch.func import functional_call
 
-from ..nn import SubspaceNet
 from .gaussian_prior import check_full_data, gaussian_priors
 
 
@@ -40,14 +37,20 @@ class EllipticalSliceSampler(MCMCKernel):
     the joint density (observed sites, ``pyro.factor``, tempering by ``poutine.scale``) is the
     likelihood ``L(θ)``.
 
-    For a `SubspaceNet`, ``L(t) = p(D | w = ŵ + P t)^{1/T}`` is evaluated over the whole
-    training set in chunks of ``chunk_size`` rows under ``torch.no_grad()`` (memory bounded by
-    the chunk, not by ``N``), ignoring the model's ``subsample_size``. Other models are traced by
-    Pyro once per evaluation and must not subsample.
+    A model that offers ``log_likelihood_fn(*args, chunk_size=, recompute_bn=)`` (as
+    `SubspaceNet` does: its `Evaluator`) has ``L(t) = p(D | w = ŵ + P t)^{1/T}`` evaluated over
+    the whole training set in chunks of ``chunk_size`` rows under ``torch.no_grad()`` (memory
+    bounded by the chunk, not by ``N``), ignoring the model's ``subsample_size``. Other models
+    are traced by Pyro once per evaluation and must not subsample.
+
+    Like Pyro's HMC, which takes a model or a ``potential_fn``, the kernel also takes no model
+    but a ``prior`` (a ``Normal``/``MultivariateNormal`` over one latent ``"t"``) and a
+    ``log_likelihood`` function ``t -> float``; then ``MCMC.run()`` needs no arguments.
 
     Args:
-        model: a Pyro model (callable) or a `SubspaceNet`.
-        chunk_size: rows of data per forward pass for a `SubspaceNet` likelihood.
+        model: a Pyro model (callable) or a `SubspaceNet`; or None with ``prior`` and
+            ``log_likelihood``.
+        chunk_size: rows of data per forward pass for an evaluator likelihood.
         recompute_bn: for a `SubspaceNet` whose network has BatchNorm layers: before each
             likelihood evaluation, recompute the running statistics at the proposed weights from
             the training inputs (cumulative average over the chunks, as drbayes does for CIFAR
@@ -66,9 +69,29 @@ class EllipticalSliceSampler(MCMCKernel):
         chunk_size: int = 4096,
         recompute_bn: bool = False,
         max_shrinks: int = 200,
+        *,
+        prior: object = None,
+        log_likelihood: Callable[[torch.Tensor], float] | None = None,
     ) -> None:
-        if not callable(model):
+        if model is None:
+            if prior is None or not callable(log_likelihood):
+                raise TypeError(
+                    "model: give a Pyro model, or prior= (a Gaussian over t) and "
+                    "log_likelihood= (a function t -> float)"
+                )
+
+            def model(*args: object, **kwargs: object) -> None:
+                import pyro
+
+                pyro.sample("t", prior)
+
+            self._fn_likelihood = log_likelihood
+        elif not callable(model):
             raise TypeError(f"model: expected a Pyro model (callable), got {type(model).__name__}")
+        else:
+            if prior is not None or log_likelihood is not None:
+                raise ValueError("prior, log_likelihood: give either a model or these, not both")
+            self._fn_likelihood = None
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
         if isinstance(max_shrinks, bool) or not isinstance(max_shrinks, int) or max_shrinks < 1:
@@ -97,14 +120,24 @@ class EllipticalSliceSampler(MCMCKernel):
         self._reset_counters()
         self._warmup_steps = warmup_steps
         self._args, self._kwargs = args, kwargs
-        # A SubspaceNet called without y samples "obs"; that is a prediction, not a latent.
-        is_subspace = isinstance(self.model, SubspaceNet)
-        model = poutine.block(self.model, hide=["obs"]) if is_subspace else self.model
-        self._priors = gaussian_priors(model, args, kwargs)
+        self._restore = None
+        if self._fn_likelihood is not None:
+            fn = self._fn_likelihood
+            self._loglik_fn = lambda params: float(fn(params["t"]))
+            model = self.model
+        elif hasattr(self.model, "log_likelihood_fn"):  # the model's own full-data evaluator
+            self._loglik_fn, self._restore = self.model.log_likelihood_fn(
+                *args, chunk_size=self.chunk_size, recompute_bn=self.recompute_bn, **kwargs
+            )
+            model = self.model.latent_model  # the latent sites alone
+        else:
+            self._loglik_fn, model = None, self.model
+        self._priors = gaussian_priors(
+            model, () if model is not self.model else args, {} if model is not self.model else kwargs
+        )
         if not self._priors:
             raise TypeError("model: has no latent sample sites to sample")
         self._means = {s.name: s.mean for s in self._priors}
-        self._loglik_fn = self._subspace_loglik() if is_subspace else None
         if self._loglik_fn is None:
             with torch.no_grad():
                 check_full_data(poutine.trace(self.model).get_trace(*args, **kwargs))
@@ -126,7 +159,11 @@ class EllipticalSliceSampler(MCMCKernel):
         self._loglik = self.log_likelihood(self._initial_params)
         self._evals = 0  # count evaluations per transition only
         if not math.isfinite(self._loglik):
-            raise ValueError(f"initial_params: the log-likelihood at the start is {self._loglik}")
+            where = "initial_params" if self._user_initial else "model"
+            raise ValueError(
+                f"{where}: the log-likelihood at the start (a draw from the prior) is "
+                f"{self._loglik}; check the data and the network's outputs"
+            )
 
     @property
     def initial_params(self) -> dict[str, torch.Tensor] | None:
@@ -176,11 +213,9 @@ class EllipticalSliceSampler(MCMCKernel):
         }
 
     def cleanup(self) -> None:
-        if getattr(self, "_saved_buffers", None) is not None:
-            with torch.no_grad():
-                for buf, saved in self._saved_buffers:
-                    buf.copy_(saved)
-            self._saved_buffers = None
+        if getattr(self, "_restore", None) is not None:
+            self._restore()  # the user's BatchNorm buffers
+            self._restore = None
         if not self._user_initial:
             self._initial_params = None
 
@@ -195,7 +230,7 @@ class EllipticalSliceSampler(MCMCKernel):
         """``log L(θ)``: the model's log joint minus its Gaussian log prior, as a float."""
         self._evals += 1
         if self._loglik_fn is not None:
-            return self._loglik_fn(params[self._priors[0].name])
+            return self._loglik_fn(params)
         latent = {s.name for s in self._priors}  # conditioned now, so marked observed: skip by name
         with torch.no_grad():
             conditioned = poutine.condition(self.model, data=params)
@@ -206,55 +241,3 @@ class EllipticalSliceSampler(MCMCKernel):
                 )
             )
         return float(value)
-
-    def _subspace_loglik(self) -> Callable[[torch.Tensor], float]:
-        model: SubspaceNet = self.model
-        bound = inspect.signature(model.forward).bind(*self._args, **self._kwargs)
-        x, y = bound.arguments["x"], bound.arguments.get("y")
-        n = x.shape[0]
-        if y is None:  # no observations: the posterior is the prior
-            return lambda t: 0.0
-        with torch.no_grad():  # only the output width is needed to check the targets
-            probe = model.outputs(model.subspace.shift.new_zeros(model.rank), x[:1])
-        y = model.likelihood.validate(probe.expand(n, *probe.shape[1:]), y)
-        inv_t = 1.0 / model.temperature_for(n)
-        net = model.flat.net
-        bn = [m for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-        self._saved_buffers = None
-        if self.recompute_bn and bn:
-            self._saved_buffers = [(b, b.detach().clone()) for b in net.buffers()]
-
-        def loglik(t: torch.Tensor) -> float:
-            with torch.no_grad():
-                if self._saved_buffers is not None:
-                    self._refresh_batchnorm(model, t, x, bn)
-                total = 0.0
-                for i in range(0, n, self.chunk_size):
-                    out = model.outputs(t, x[i : i + self.chunk_size])
-                    total += model.likelihood.log_prob(out, y[i : i + self.chunk_size]).sum().item()
-            return total * inv_t
-
-        return loglik
-
-    def _refresh_batchnorm(
-        self, model: SubspaceNet, t: torch.Tensor, x: torch.Tensor, bn: list
-    ) -> None:
-        """Recompute BatchNorm running statistics at ``w = ŵ + P t`` over ``x`` in chunks."""
-        net = model.flat.net
-        params = model.flat.unflatten(model.subspace.weights(t))
-        momenta = [m.momentum for m in bn]
-        for m in bn:
-            m.reset_running_stats()
-        modes = [(m, m.training) for m in net.modules()]
-        try:
-            net.train()
-            for i in range(0, x.shape[0], self.chunk_size):
-                chunk = x[i : i + self.chunk_size]
-                for m in bn:  # average over chunks weighted by their sizes
-                    m.momentum = chunk.shape[0] / (i + chunk.shape[0])
-                functional_call(net, {**params, **dict(net.named_buffers())}, (chunk,))
-        finally:
-            for m, momentum in zip(bn, momenta):
-                m.momentum = momentum
-            for m, training in modes:
-                m.training = training

@@ -65,6 +65,9 @@ class Likelihood(PyroModule):
     num_outputs: int | None = None
     #: True for regression (a Gaussian predictive), False for classification.
     is_regression: bool = False
+    #: True when the likelihood has one noise scale ``σ`` that the Laplace evidence can re-tune
+    #: (``log p(D|t) = −(N·O/2) log 2πσ² − RSS/2σ²``; then it has ``loc_scale`` and ``sigma``).
+    noise_scale_tunable: bool = False
     #: the `link_approx` values this likelihood accepts besides ``"auto"``, first = the default.
     link_approxes: tuple[str, ...] = ("probit", "mc")
 

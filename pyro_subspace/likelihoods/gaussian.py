@@ -95,6 +95,11 @@ class Gaussian(Likelihood):
 
     # ------------------------------------------------------------------ the contract
 
+    @property
+    def noise_scale_tunable(self) -> bool:  # type: ignore[override]
+        """Homoscedastic with one scalar ``σ``."""
+        return not self.heteroscedastic and self.sigma.numel() == 1
+
     def check_curvature_outputs(self, outputs: object) -> torch.Tensor:
         out = super().check_curvature_outputs(outputs)
         if self.learn_sigma or self.heteroscedastic:

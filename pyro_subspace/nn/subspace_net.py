@@ -2,7 +2,9 @@
 
 Subspace Inference (Izmailov et al., 2019), eqs. (1)–(3):
 
-    t ~ N(0, prior_scale² I_K)                          site "t"
+    t ~ N(0, prior_scale² I_K)                          site "t" (prior_mean="shift"), or
+    t ~ N(t₀, (λ PᵀP)⁻¹), t₀ = −(PᵀP)⁻¹Pᵀŵ              (prior_mean="zero": w ~ N(0, λ⁻¹ I_D)
+                                                         restricted to the subspace, λ = 1/σ²)
     w = ŵ + P t                                         (Subspace.weights)
     f_n = net(x_n; w)                                   site "f" (deterministic)
     y_n ~ p(y | f_n),  log-likelihood scaled by 1/T     site "obs" in plate "data"
@@ -14,13 +16,17 @@ from __future__ import annotations
 
 import pyro
 import torch
-from pyro.distributions import Normal
+from pyro.distributions import MultivariateNormal, Normal
 from pyro.nn import PyroModule
 from torch import nn
 
+from ..data import DataSource
 from ..flat import FlatNet, eval_mode
 from ..likelihoods import Likelihood, check_temperature
 from ..subspaces import Subspace
+from .evaluator import Evaluator
+
+PRIOR_MEANS = ("shift", "zero")
 
 
 class SubspaceNet(PyroModule):
@@ -35,6 +41,11 @@ class SubspaceNet(PyroModule):
         likelihood: a `Likelihood` (`Gaussian`, `Categorical`, `Bernoulli`).
         prior_scale: ``σ`` of the prior ``t ~ N(0, σ² I_K)``; a positive float or a ``(K,)``
             tensor of per-coordinate scales. PCA subspaces use 1 (paper C.2).
+        prior_mean: ``"shift"`` (the prior above, centred at the shift ``ŵ``) or ``"zero"``: the
+            weight prior ``w ~ N(0, σ² I_D)`` of Subnetwork Inference and MoLA (weight decay),
+            restricted to the subspace: ``t ~ N(t₀, σ² (PᵀP)⁻¹)`` with ``t₀ = −(PᵀP)⁻¹Pᵀŵ``
+            (for a subnetwork ``t₀ = −ŵ_S``); needs a scalar ``prior_scale``. MCMC, SVI and the
+            Laplace guides all target the posterior under this one prior.
         temperature: ``T`` of the tempered likelihood (eq. 3), a positive float, or ``"auto"``
             for ``T = N/K`` (paper 2.4), ``N`` being the number of training points.
         subsample_size: default minibatch size of the ``"data"`` plate (``None``: all data).
@@ -60,8 +71,11 @@ class SubspaceNet(PyroModule):
         prior_scale: float | torch.Tensor = 1.0,
         temperature: float | str = 1.0,
         subsample_size: int | None = None,
+        prior_mean: str = "shift",
     ) -> None:
         super().__init__()
+        if prior_mean not in PRIOR_MEANS:
+            raise ValueError(f"prior_mean: expected one of {PRIOR_MEANS}, got {prior_mean!r}")
         self.flat = FlatNet(net)
         if not isinstance(subspace, Subspace):
             raise TypeError(f"subspace: expected a Subspace, got {type(subspace).__name__}")
@@ -90,7 +104,18 @@ class SubspaceNet(PyroModule):
         self.net = net
         self.subspace = subspace
         self.likelihood = likelihood
+        if prior_mean == "zero" and scale.dim() == 1 and not bool((scale == scale[0]).all()):
+            raise ValueError("prior_scale: prior_mean='zero' needs one scalar scale for all weights")
+        self.prior_mean = prior_mean
         self.register_buffer("prior_scale", scale.expand(subspace.rank).clone())
+        k = subspace.rank
+        eye = torch.eye(k, dtype=torch.float64, device=scale.device)
+        gram = subspace.gram() if prior_mean == "zero" else eye
+        loc = subspace.origin() if prior_mean == "zero" else eye.new_zeros(k)
+        #: ``t₀`` ``(K,)`` and ``PᵀP`` (``I`` for ``prior_mean="shift"``), float64.
+        self.register_buffer("prior_loc", loc)
+        self.register_buffer("prior_gram", gram)
+        self._gram_is_identity = bool(torch.equal(gram, eye))
 
     @property
     def rank(self) -> int:
@@ -102,8 +127,65 @@ class SubspaceNet(PyroModule):
         return n / self.rank if self.temperature == "auto" else float(self.temperature)
 
     def prior(self) -> pyro.distributions.Distribution:
-        """The prior ``N(0, σ² I_K)`` over ``t``, event shape ``(K,)``."""
-        return Normal(torch.zeros_like(self.prior_scale), self.prior_scale).to_event(1)
+        """The prior over ``t``, event shape ``(K,)``: ``N(0, σ² I_K)`` or, with
+        ``prior_mean="zero"``, ``N(t₀, σ² (PᵀP)⁻¹)``."""
+        dtype = self.prior_scale.dtype
+        loc = self.prior_loc.to(dtype)
+        if self._gram_is_identity:
+            return Normal(loc, self.prior_scale).to_event(1)
+        precision = self.prior_gram.to(dtype) / self.prior_scale[0].square()
+        return MultivariateNormal(loc, precision_matrix=precision)
+
+    @property
+    def prior_precision(self) -> torch.Tensor:
+        """``λ = 1/σ²``, ``(K,)`` float64 (the prior precision matrix is ``λ PᵀP``)."""
+        return self.prior_scale.double().square().reciprocal()
+
+    def set_prior_precision(self, prior_precision: float | torch.Tensor) -> None:
+        """Set ``λ`` (a positive float or ``(K,)``; scalar with ``prior_mean="zero"``) in place:
+        every method using this model then targets the posterior under the new prior."""
+        lam = torch.as_tensor(prior_precision, dtype=torch.float64)
+        if lam.dim() > 1 or (lam.dim() == 1 and lam.shape[0] != self.rank):
+            raise ValueError(f"prior_precision: expected a float or ({self.rank},), got {lam.shape}")
+        if not bool(torch.isfinite(lam).all()) or bool((lam <= 0).any()):
+            raise ValueError(f"prior_precision: expected positive finite values, got {lam}")
+        if self.prior_mean == "zero" and lam.dim() == 1 and not bool((lam == lam[0]).all()):
+            raise ValueError("prior_precision: prior_mean='zero' needs one scalar λ")
+        scale = lam.rsqrt().to(self.prior_scale).expand(self.rank)
+        self.prior_scale.copy_(scale)
+
+    def latent_model(self) -> torch.Tensor:
+        """The model's latent sites alone (``"t"`` from `prior`), without data: the prototype
+        that guides read their sites from."""
+        return pyro.sample("t", self.prior())
+
+    def evaluator(
+        self,
+        x: object,
+        y: torch.Tensor | None = None,
+        chunk_size: int = 4096,
+        recompute_bn: bool = False,
+    ) -> Evaluator:
+        """The full-data `Evaluator` over ``(x, y)`` tensors, a ``Dataset`` or a ``DataLoader``."""
+        return Evaluator(self, DataSource(x, y, chunk_size), recompute_bn=recompute_bn)
+
+    def log_likelihood_fn(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor | None = None,
+        subsample_size: int | None = None,
+        *,
+        chunk_size: int = 4096,
+        recompute_bn: bool = False,
+    ):
+        """For a likelihood-only kernel (elliptical slice): given this model's call arguments,
+        ``(fn, restore)`` with ``fn({"t": t}) -> log p(D | t)/T`` over the whole data set in
+        chunks (``subsample_size`` ignored) and ``restore()`` putting back BatchNorm buffers."""
+        check_data(x, y)
+        if y is None:  # no observations: the posterior is the prior
+            return (lambda params: 0.0), (lambda: None)
+        ev = self.evaluator(x, y, chunk_size, recompute_bn)
+        return (lambda params: ev.log_likelihood(params["t"])), ev.restore
 
     def outputs(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Network outputs at ``w = ŵ + P t``.

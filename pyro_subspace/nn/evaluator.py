@@ -1,0 +1,150 @@
+"""The one evaluator: a `SubspaceNet`'s tempered log-likelihood, its gradient and its GGN over a
+data source, in chunks.
+
+Every method that needs the full-data likelihood goes through `Evaluator`: the elliptical slice
+sampler (`log_likelihood`), the Laplace MAP search (`nll_and_grad`), the Laplace curvature and
+evidence (`ggn`, `map_statistics`). The data are read chunk by chunk from a `data.DataSource`
+(tensors, a ``Dataset`` or a ``DataLoader``), so memory is bounded by the chunk, not by ``N``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.func import functional_call
+
+from ..curvature import ggn_from_blocks
+from ..data import DataSource
+from ..flat import FlatNet
+
+if TYPE_CHECKING:
+    from .subspace_net import SubspaceNet
+
+
+class Evaluator:
+    """Full-data quantities of ``model`` at coordinates ``t`` over ``data``.
+
+    Args:
+        model: the `SubspaceNet`.
+        data: a `DataSource` with targets.
+        recompute_bn: before each `log_likelihood`, recompute the network's BatchNorm running
+            statistics at ``w = ŵ + P t`` from the training inputs (cumulative average over the
+            chunks, as drbayes does), so the density is a fixed function of ``t``; the user's
+            buffers are put back by `restore` (and on any exception inside an evaluation).
+
+    ``temperature`` is ``T`` for ``N = data.num_data`` (``N/K`` when the model's is ``"auto"``).
+    """
+
+    def __init__(self, model: SubspaceNet, data: DataSource, recompute_bn: bool = False) -> None:
+        self.model, self.data = model, data
+        self.num_data = data.num_data
+        self.temperature = model.temperature_for(self.num_data)
+        net = model.flat.net
+        self._bn = [m for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        self._saved = None
+        if recompute_bn and self._bn:
+            self._saved = [(b, b.detach().clone()) for b in net.buffers()]
+
+    def chunks(self):
+        """``(x_c, y_c)`` with the targets validated for the likelihood."""
+        model = self.model
+        probe = None
+        for xc, yc in self.data:
+            if yc is None:
+                raise ValueError("y: the evaluator needs targets")
+            if probe is None:  # only the output width is needed to check the targets
+                with torch.no_grad():
+                    probe = model.outputs(model.subspace.shift.new_zeros(model.rank), xc[:1])
+            yield xc, model.likelihood.validate(probe.expand(xc.shape[0], *probe.shape[1:]), yc)
+
+    # ------------------------------------------------------------------ likelihood
+
+    def log_likelihood(self, t: torch.Tensor) -> float:
+        """Tempered ``log p(D | t) / T`` as a float, without gradients."""
+        model = self.model
+        with torch.no_grad():
+            if self._saved is not None:
+                self._refresh_batchnorm(t)
+            total = 0.0
+            for xc, yc in self.chunks():
+                total += model.likelihood.log_prob(model.outputs(t, xc), yc).sum().item()
+        return total / self.temperature
+
+    def nll_and_grad(self, t: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """``−log p(D | t)/T`` and its gradient ``(K,)`` (float64), chunk by chunk."""
+        model = self.model
+        t = t.detach().requires_grad_(True)
+        total, grad = 0.0, torch.zeros_like(t)
+        for xc, yc in self.chunks():
+            nll = -model.likelihood.log_prob(model.outputs(t, xc), yc).sum() / self.temperature
+            (g,) = torch.autograd.grad(nll, t)
+            total, grad = total + float(nll.detach()), grad + g.double()
+        return total, grad
+
+    def map_statistics(self, t: torch.Tensor) -> tuple[float, float, int]:
+        """``log p(D | t)`` (untempered) and, for a likelihood with one tunable noise scale,
+        the residual sum of squares and the number of observations (else 0, 0)."""
+        model, lik = self.model, self.model.likelihood
+        loglik, sse, count = 0.0, 0.0, 0
+        with torch.no_grad():
+            for xc, yc in self.chunks():
+                out = model.outputs(t, xc)
+                loglik += float(lik.log_prob(out, yc).sum())
+                if lik.noise_scale_tunable:
+                    loc = lik.loc_scale(out)[0]
+                    sse += float((loc - yc.reshape(loc.shape)).double().square().sum())
+                    count += loc.numel()
+        return loglik, sse, count
+
+    # ------------------------------------------------------------------ curvature
+
+    def ggn(self, t: torch.Tensor, diagonal: bool = False, chunk_size: int | None = None):
+        """``Pᵀ G P`` ``(K, K)`` (or its diagonal ``(K,)``) at ``w = ŵ + P t``, untempered,
+        float64, from the subspace's Jacobian blocks (Subnetwork Inference eqs. 9, 15)."""
+        model = self.model
+        w = model.subspace.weights(t).detach()
+        flat = FlatNet(model.flat.net, batch_strategy="loop")
+        chunk = chunk_size or self.data.chunk_size
+        total = None
+        for xc in self.data.inputs():
+            blocks = model.subspace.jacobian_blocks(flat, xc, w, chunk)
+            total = ggn_from_blocks(model.likelihood, blocks, diagonal, total)
+        if not diagonal:
+            total = (total + total.T) / 2
+        return total.detach().to(torch.float64)
+
+    # ------------------------------------------------------------------ BatchNorm
+
+    def restore(self) -> None:
+        """Put the user's BatchNorm buffers back (after `recompute_bn` evaluations)."""
+        if self._saved is not None:
+            with torch.no_grad():
+                for buf, saved in self._saved:
+                    buf.copy_(saved)
+
+    def _refresh_batchnorm(self, t: torch.Tensor) -> None:
+        """Recompute BatchNorm running statistics at ``w = ŵ + P t`` over the inputs."""
+        model = self.model
+        net = model.flat.net
+        params = model.flat.unflatten(model.subspace.weights(t))
+        momenta = [m.momentum for m in self._bn]
+        for m in self._bn:
+            m.reset_running_stats()
+        modes = [(m, m.training) for m in net.modules()]
+        try:
+            net.train()
+            seen = 0
+            for chunk in self.data.inputs():
+                seen += chunk.shape[0]
+                for m in self._bn:  # average over chunks weighted by their sizes
+                    m.momentum = chunk.shape[0] / seen
+                functional_call(net, {**params, **dict(net.named_buffers())}, (chunk,))
+        except BaseException:
+            self.restore()
+            raise
+        finally:
+            for m, momentum in zip(self._bn, momenta):
+                m.momentum = momentum
+            for m, training in modes:
+                m.training = training
