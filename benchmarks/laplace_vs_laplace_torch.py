@@ -173,9 +173,10 @@ def fit_theirs(Laplace, task: Task, net: nn.Module, x, y, batch: int):
 def predict_ours(task: Task, guide, x_test):
     """Regression: ``(f_mean, f_var)`` ``(M, 1)``; classes: ``(f_mean, f_cov, probit probs)``."""
     if task.regression:
-        return linearized_predictive(guide, x_test, include_noise=False)
+        pred = linearized_predictive(guide, x_test, include_noise=False)
+        return pred.mean, pred.variance
     f_mean, f_cov = linearized_moments(guide, x_test)
-    return f_mean, f_cov, linearized_predictive(guide, x_test, method="probit")
+    return f_mean, f_cov, linearized_predictive(guide, x_test, link_approx="probit").probs
 
 
 def predict_theirs(task: Task, la, x_test):

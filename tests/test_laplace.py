@@ -212,36 +212,6 @@ def test_map_search_reaches_a_stationary_point_of_the_log_joint():
     assert guide.loc.abs().max() > 1e-3  # it moved away from the shift
 
 
-def test_isotropic_remainder_completes_a_low_rank_laplace():
-    net, x, y, lik = small_classifier()
-    sub = subspaces.ggn_eigen(net, lik, x, 3)
-    model = SubspaceNet(net, sub, lik)
-    lam = 4.0
-    guide = AutoSubspaceLaplace(model, prior_precision=lam, isotropic_remainder=True)
-    guide.fit(x, y, find_map=False)
-    assert torch.allclose(guide.precision, torch.diag(sub.eigenvalues) + lam * torch.eye(3))
-    u = sub.basis
-    d = u.shape[0]
-    sigma_w = u @ guide.covariance @ u.T + (torch.eye(d, dtype=u.dtype) - u @ u.T) / lam
-    x_test = torch.randn(5, 2, dtype=torch.float64)
-    jac = dense_jacobian(net, x_test, sub.shift)
-    _, f_cov = linearized_moments(guide, x_test)
-    assert torch.allclose(f_cov, jac @ sigma_w @ jac.transpose(1, 2), rtol=1e-8, atol=1e-12)
-    draws = guide.sample_weights(40000, seed=0) - sub.shift
-    emp = draws.T @ draws / draws.shape[0]
-    # Monte Carlo: entry (i, j) has sd sqrt((Σii Σjj + Σij²)/S); 6 sd with S = 40000
-    tol = 6 * ((sigma_w.diagonal()[:, None] * sigma_w.diagonal()[None]).sqrt() / 200)
-    assert ((emp - sigma_w).abs() <= tol).all()
-
-
-def test_low_rank_basis_must_be_orthonormal_for_the_remainder():
-    net, _, _, lik = small_classifier()
-    sub = subspaces.random(net, 3, seed=0)
-    sub = subspaces.Subspace(sub.shift, 2 * sub.basis)
-    with pytest.raises(ValueError, match="isotropic_remainder"):
-        AutoSubspaceLaplace(SubspaceNet(net, sub, lik), isotropic_remainder=True)
-
-
 @pytest.mark.parametrize("case", ["categorical", "bernoulli"])
 def test_probit_and_monte_carlo_classification_predictives(case):
     net, x, y, lik = small_classifier(case)
@@ -253,10 +223,10 @@ def test_probit_and_monte_carlo_classification_predictives(case):
     var = f_cov.diagonal(dim1=-2, dim2=-1)
     z = f_mean / (1 + math.pi / 8 * var).sqrt()
     expected = z.softmax(-1) if case == "categorical" else z.squeeze(-1).sigmoid()
-    assert torch.allclose(linearized_predictive(guide, x_test), expected, rtol=1e-12)
+    assert torch.allclose(linearized_predictive(guide, x_test).probs, expected, rtol=1e-12)
     assert torch.allclose(probit(f_mean, f_cov, lik), expected, rtol=1e-12)
     s = 4000
-    mc = linearized_predictive(guide, x_test, method="mc", num_samples=s, seed=1)
+    mc = linearized_predictive(guide, x_test, link_approx="mc", num_samples=s, seed=1).probs
     # independent Monte Carlo: torch's MultivariateNormal sampler, many more draws
     gen_draws = torch.distributions.MultivariateNormal(f_mean, f_cov).sample((100000,))
     probs = gen_draws.softmax(-1) if case == "categorical" else gen_draws.squeeze(-1).sigmoid()
@@ -269,7 +239,7 @@ def test_regression_predictive_is_closed_form_and_matches_pyro_predictive():
     sub = subspaces.random(net, 3, seed=1)
     model = SubspaceNet(net, sub, likelihoods.Gaussian(0.25), prior_scale=0.7)
     guide = AutoSubspaceLaplace(model).fit(x, y)
-    mean, var = linearized_predictive(guide, x[:5])
+    mean, var = _mean_var(linearized_predictive(guide, x[:5]))
     a = design[:5] @ sub.dense_basis()
     expected_var = torch.einsum("nk,kj,nj->n", a, guide.covariance, a) + 0.0625
     assert mean.shape == var.shape == (5, 1)
@@ -290,7 +260,7 @@ def test_heteroscedastic_regression_uses_the_predicted_noise():
     lik = likelihoods.Gaussian(heteroscedastic=True)
     sub = subspaces.subnetwork(net, 18, strategy="last_layer")
     guide = AutoSubspaceLaplace(SubspaceNet(net, sub, lik)).fit(x, y, find_map=False)
-    mean, var = linearized_predictive(guide, x)
+    mean, var = _mean_var(linearized_predictive(guide, x))
     f_mean, f_cov = linearized_moments(guide, x)
     noise = (torch.nn.functional.softplus(f_mean[:, 1]) + lik.min_scale) ** 2
     assert torch.allclose(mean[:, 0], f_mean[:, 0])
@@ -306,7 +276,7 @@ def test_validation_grid_picks_the_best_refit():
     scores = validation_log_likelihood(guide, x[25:], y[25:], grid)
     for lam, score in zip(grid, scores):  # second path: refit at λ and score by hand
         refit = AutoSubspaceLaplace(model, prior_precision=float(lam))
-        mean, var = linearized_predictive(refit.fit(x[:25], y[:25], find_map=False), x[25:])
+        mean, var = _mean_var(linearized_predictive(refit.fit(x[:25], y[:25], find_map=False), x[25:]))
         ll = torch.distributions.Normal(mean[:, 0], var[:, 0].sqrt()).log_prob(y[25:]).mean()
         assert float(score) == pytest.approx(float(ll), rel=1e-10)
     guide.optimize_prior_precision("grid", x_val=x[25:], y_val=y[25:], grid=grid)
@@ -343,8 +313,8 @@ def test_bad_arguments_fail_early():
     with pytest.raises(ValueError, match="y"):
         guide.fit(x, y[:5])
     guide.fit(x, y)
-    with pytest.raises(ValueError, match="method"):
-        linearized_predictive(guide, x, method="closed_form")
+    with pytest.raises(ValueError, match="link_approx"):
+        linearized_predictive(guide, x, link_approx="closed_form")
     with pytest.raises(ValueError, match="x_val"):
         guide.optimize_prior_precision("grid")
     with pytest.raises(ValueError, match="sigma"):
@@ -363,7 +333,7 @@ def test_diagonal_laplace_covariance_against_dense_jacobians():
     f_mean, f_cov = linearized_moments(diag, x_test)
     expected = jac @ torch.diag(variance) @ jac.transpose(1, 2)
     assert torch.allclose(f_cov, expected, rtol=1e-10, atol=1e-14)
-    probs = linearized_predictive(diag, x_test)
+    probs = linearized_predictive(diag, x_test).probs
     assert torch.allclose(probs, probit(f_mean, f_cov, lik))
 
 
@@ -375,6 +345,11 @@ def test_diagonal_laplace_grid_picks_the_best_validation_likelihood():
     scores = []
     for lam in grid:  # second path: a fresh fit at each λ, scored by hand
         refit = DiagonalLaplace(net, lik, prior_precision=float(lam)).fit(x[:20])
-        probs = linearized_predictive(refit, x[20:])
+        probs = linearized_predictive(refit, x[20:]).probs
         scores.append(float(probs[torch.arange(10), y[20:]].log().mean()))
     assert diag.prior_precision == float(grid[int(torch.tensor(scores).argmax())])
+
+
+def _mean_var(predictive):
+    """Mean and variance of a regression predictive distribution."""
+    return predictive.mean, predictive.variance

@@ -141,7 +141,8 @@ with torch.no_grad():
     f_map = net(data.grid)[:, 0]
 bands = {"MAP": (f_map, torch.full_like(f_map, 0.01))}
 for name, approx in approximations.items():
-    mean, var = linearized_predictive(approx, data.grid)
+    pred = linearized_predictive(approx, data.grid)
+    mean, var = pred.mean, pred.variance
     bands[name] = (mean[:, 0].float(), var[:, 0].float())
 
 print(f"{'method':<28}{'test NLL':>10}{'gap std':>10}")
@@ -150,7 +151,8 @@ for name, (mean, var) in bands.items():
     if name == "MAP":
         m_test, v_test = net(data.x_test)[:, 0].detach(), torch.full((len(data.x_test),), 0.01)
     else:
-        m, v = linearized_predictive(approximations[name], data.x_test)
+        pred = linearized_predictive(approximations[name], data.x_test)
+        m, v = pred.mean, pred.variance
         m_test, v_test = m[:, 0], v[:, 0]
     nll = metrics.gaussian_nll(m_test, v_test, data.y_test)
     print(f"{name:<28}{nll:>10.3f}{float(var[gap].sqrt().mean()):>10.3f}")
@@ -221,7 +223,7 @@ for angle in ANGLES:
     with torch.no_grad():
         predictions = {"MAP": net(x_rot).softmax(-1)}
     for name, approx in approximations.items():
-        predictions[name] = linearized_predictive(approx, x_rot, method="probit").float()
+        predictions[name] = linearized_predictive(approx, x_rot, link_approx="probit").probs.float()
     for name, probs in predictions.items():
         scores[name]["ll"].append(-metrics.categorical_nll(probs, digits.y_test))
         scores[name]["ece"].append(metrics.calibration_errors(probs, digits.y_test)[0])

@@ -5,6 +5,7 @@ from .ess import EllipticalSliceSampler
 from .laplace import (
     AutoSubspaceLaplace,
     DiagonalLaplace,
+    Laplace,
     linearized_moments,
     linearized_predictive,
     probit,
@@ -18,6 +19,7 @@ __all__ = [
     "DeepEnsemble",
     "DiagonalLaplace",
     "EllipticalSliceSampler",
+    "Laplace",
     "LastLayerLaplace",
     "MixtureOfLaplace",
     "MixturePredictor",

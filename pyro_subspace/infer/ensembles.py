@@ -28,7 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..flat import eval_mode
-from ..likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
+from ..likelihoods import Likelihood, check_likelihood
 from ..subspaces import SWACollector
 from ..train import fit_map
 
@@ -52,8 +52,8 @@ class MixturePredictor:
 
     @property
     def is_regression(self) -> bool:
-        """True for a `Gaussian` likelihood (mixture of Gaussians), False for classification."""
-        return isinstance(self.likelihood, Gaussian)
+        """True for a regression likelihood (mixture of Gaussians), False for classification."""
+        return self.likelihood.is_regression
 
     def predict(
         self, x: torch.Tensor, **kwargs: object
@@ -167,10 +167,7 @@ def train_ensemble(
     """
     if not callable(make_net):
         raise TypeError(f"make_net: expected a callable returning a network, got {make_net!r}")
-    if not isinstance(likelihood, Likelihood):
-        raise TypeError(
-            f"likelihood: expected a pyro_subspace Likelihood, got {type(likelihood).__name__}"
-        )
+    check_likelihood(likelihood)
     if seeds is None:
         if isinstance(n_members, bool) or not isinstance(n_members, int) or n_members < 1:
             raise ValueError(f"n_members: expected a positive int, got {n_members!r}")
@@ -264,28 +261,15 @@ def member_predictives(
         Probabilities ``(M, N, C)`` / ``(M, N)``, or ``(means, variances)`` ``(M, N, O)`` each,
         float64, ``M`` the total number of output rows.
     """
-    probs, means, variances = [], [], []
+    comps = []
     for lik, out in zip(likelihoods, outputs):
         out = out.detach()
         out = out.unsqueeze(-1) if out.dim() == 1 else out
-        lik.check_outputs(out)
-        out = out.reshape(-1, *out.shape[-2:])
-        if isinstance(lik, Gaussian):
-            with torch.no_grad():
-                loc, scale = lik.loc_scale(out)
-            if loc.dim() == out.dim() - 1:
-                loc, scale = loc.unsqueeze(-1), scale.unsqueeze(-1)
-            means.append(loc.double())
-            variances.append(scale.double().square())
-        elif isinstance(lik, Bernoulli):
-            probs.append(out.squeeze(-1).double().sigmoid())
-        elif isinstance(lik, Categorical):
-            probs.append(out.double().softmax(-1))
-        else:
-            raise TypeError(f"likelihood: unsupported likelihood {type(lik).__name__}")
-    if means:
-        return torch.cat(means), torch.cat(variances)
-    return torch.cat(probs)
+        dist = lik.predictive_from_samples(out.reshape(-1, *out.shape[-2:]))
+        comps.append((dist.mean, dist.variance) if lik.is_regression else dist.probs)
+    if likelihoods[0].is_regression:
+        return torch.cat([c[0] for c in comps]), torch.cat([c[1] for c in comps])
+    return torch.cat(comps)
 
 
 def check_inputs(x: object, name: str = "x") -> int:
@@ -313,11 +297,7 @@ def _check_likelihoods(likelihood: object, k: int) -> list[Likelihood]:
     if len(liks) != k:
         raise ValueError(f"likelihood: expected one likelihood or a list of {k}, got {len(liks)}")
     for lik in liks:
-        if not isinstance(lik, (Gaussian, Categorical, Bernoulli)):
-            raise TypeError(
-                "likelihood: expected a pyro_subspace Gaussian, Categorical or Bernoulli, "
-                f"got {type(lik).__name__}"
-            )
+        check_likelihood(lik)
     if len({type(lik) for lik in liks}) > 1:
         raise ValueError("likelihood: all members need the same kind of likelihood")
     return liks

@@ -32,11 +32,10 @@ import torch
 from torch import nn
 
 from ..curvature import subspace_jacobians
-from ..datasets import Dataset
 from ..flat import eval_mode
-from ..likelihoods import Gaussian, Likelihood
+from ..likelihoods import Likelihood
 from ..nn import SubspaceNet
-from ..subspaces import Subspace, subnetwork
+from ..subspaces import Subspace, find_last_layer, subnetwork
 from .ensembles import (
     MixturePredictor,
     _check_likelihoods,
@@ -44,7 +43,7 @@ from .ensembles import (
     check_inputs,
     member_predictives,
 )
-from .laplace import AutoSubspaceLaplace, linearized_moments, probit
+from .laplace import AutoSubspaceLaplace, check_grid, linearized_moments
 
 __all__ = ["LastLayerLaplace", "MixtureOfLaplace", "far_away_confidence_bound"]
 
@@ -171,7 +170,7 @@ class MixtureOfLaplace(MixturePredictor):
                 (`AutoSubspaceLaplace.fit`); ``False`` keeps ``μ^(k) = ŵ^(k)``, right when the
                 networks were trained to the MAP of the same prior (weight decay ``λ/N``).
         """
-        if isinstance(x, Dataset):
+        if hasattr(x, "x_train") and hasattr(x, "y_train"):  # a datasets.Dataset
             if y is not None:
                 raise ValueError("y: give either a Dataset or (x, y), not both")
             x, y = x.x_train, x.y_train
@@ -181,13 +180,12 @@ class MixtureOfLaplace(MixturePredictor):
         self.members = []
         for i, (net, lik) in enumerate(zip(self.nets, self.likelihoods)):
             sub = self._subspace(i, net)
-            model = SubspaceNet(net, sub, lik, temperature=self.temperature)
-            guide = AutoSubspaceLaplace(
-                model,
-                prior_precision=self.prior_precision,
-                prior_mean=self.prior_mean,
-                chunk_size=self.chunk_size,
-            )
+            model = SubspaceNet(
+                net, sub, lik, prior_scale=1.0,
+                temperature=self.temperature, prior_mean=self.prior_mean,
+            )  # fmt: skip
+            model.set_prior_precision(self.prior_precision)
+            guide = AutoSubspaceLaplace(model, chunk_size=self.chunk_size)
             guide.fit(x, y, find_map=find_map)
             self.members.append((model, guide))
         self._update_weights()
@@ -242,10 +240,7 @@ class MixtureOfLaplace(MixturePredictor):
         if x_val is None or y_val is None:
             raise ValueError(f"x_val, y_val: the {method!r} method needs validation data")
         check_inputs(x_val, "x_val")
-        grid = torch.logspace(-4, 4, 33, dtype=torch.float64) if grid is None else grid
-        grid = torch.as_tensor(grid, dtype=torch.float64).reshape(-1)
-        if grid.numel() == 0 or not bool(torch.isfinite(grid).all()) or bool((grid <= 0).any()):
-            raise ValueError(f"grid: expected positive finite precisions, got {grid}")
+        grid = check_grid(grid)
         if method == "confidence":
             if self.is_regression:
                 raise ValueError("method: 'confidence' is for classification")
@@ -263,10 +258,8 @@ class MixtureOfLaplace(MixturePredictor):
             ok = (scores[:, 1] >= threshold).nonzero()
             best = grid[int(ok[0, 0])] if ok.numel() else grid[-1]
             self.confidence_threshold = float(threshold)
-        for _, guide in self.members:  # a one-point grid sets λ and updates Σ
-            guide.optimize_prior_precision(
-                "grid", x_val=x_val[:1], y_val=y_val[:1], grid=best[None]
-            )
+        for _, guide in self.members:  # the model's prior and Σ
+            guide.set_prior_precision(best)
         self.prior_precision = float(best)
         self.grid_scores = scores
         self._update_weights()
@@ -357,7 +350,11 @@ class MixtureOfLaplace(MixturePredictor):
         for k, (model, guide) in enumerate(self.members):
             f_mean, f_cov = self._moments(k, x, diagonal=method != "mc")
             if method == "mc":
-                comps.append(_mc_softmax(model.likelihood, f_mean, f_cov, num_samples, seed + k))
+                gen = torch.Generator(device=f_mean.device).manual_seed(seed + k)
+                dist = model.likelihood.predictive_from_moments(
+                    f_mean, f_cov, "mc", num_samples, gen
+                )
+                comps.append(dist.probs)
             else:
                 comps.append(_from_moments(model.likelihood, f_mean, f_cov))
         return self.weights.to(x.device), _stack(comps)
@@ -372,34 +369,11 @@ class MixtureOfLaplace(MixturePredictor):
     def _moments(
         self, k: int, x: torch.Tensor, diagonal: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Member ``k``'s Gaussian over the outputs, ``(N, O)`` and ``(N, O, O)``, float64.
-
-        A last ``nn.Linear`` layer (``subset="last_layer"``) is linear in its weights, so
-        ``f = W φ(x) + b`` with the penultimate features ``φ`` (read by a forward hook) and
-        ``C_cc' = φ̃ᵀ Σ_(c,c') φ̃`` with ``φ̃ = [φ, 1]`` (MoLA A.2): one forward pass instead of
-        per-sample Jacobians. Other subspaces use `linearized_moments`. ``diagonal=True`` fills
-        only the variances ``C_cc`` (all the probit and regression predictives use).
-        """
-        model, guide = self.members[k]
-        rows = _last_linear_rows(model)
-        if rows is None:
-            return linearized_moments(guide, x)
-        last = _last_module(model.flat.net)
-        feats = []
-        handle = last.register_forward_hook(lambda m, inp, out: feats.append(inp[0]))
-        try:
-            with torch.no_grad():
-                f_mean = model.outputs(guide.loc, x).double()
-        finally:
-            handle.remove()
-        phi = feats[-1].detach().double().reshape(x.shape[0], -1)
-        if rows.shape[1] > phi.shape[1]:  # bias column
-            phi = torch.cat([phi, torch.ones_like(phi[:, :1])], dim=1)
-        if diagonal:
-            blocks = guide.covariance[rows[:, :, None], rows[:, None, :]]  # (C, P̃, P̃)
-            return f_mean, torch.diag_embed(torch.einsum("np,cpq,nq->nc", phi, blocks, phi))
-        cov = guide.covariance[rows[:, :, None, None], rows[None, None, :, :]]  # (C, P̃, C, P̃)
-        return f_mean, torch.einsum("np,cpdq,nq->ncd", phi, cov, phi)
+        """Member ``k``'s Gaussian over the outputs, ``(N, O)`` and ``(N, O, O)``, float64
+        (`linearized_moments`: for the last layer from the penultimate features in one forward
+        pass, MoLA A.2). ``diagonal=True`` may fill only the variances ``C_cc``."""
+        _, guide = self.members[k]
+        return linearized_moments(guide, x, diagonal=diagonal)
 
     def _log_prob_from(self, weights, comp, y) -> torch.Tensor:
         holder = _Fixed(self.likelihood, weights, comp)
@@ -430,48 +404,10 @@ class _Fixed(MixturePredictor):
 
 
 def _from_moments(lik: Likelihood, f_mean: torch.Tensor, f_cov: torch.Tensor):
-    """One component's predictive from its Gaussian outputs ``(N, O)``, ``(N, O, O)``."""
-    if isinstance(lik, Gaussian):
-        var_f = f_cov.diagonal(dim1=-2, dim2=-1)
-        with torch.no_grad():
-            _, scale = lik.loc_scale(f_mean.to(torch.get_default_dtype()))
-        noise = scale.double().square()
-        if lik.heteroscedastic:
-            return f_mean[:, :1], var_f[:, :1] + noise[:, None]
-        return f_mean, var_f + noise.reshape(f_mean.shape)
-    return probit(f_mean, f_cov, lik)  # Categorical (N, C) or Bernoulli (N,)
-
-
-def _last_module(net: nn.Module) -> nn.Module:
-    return [m for m in net.modules() if list(m.parameters(recurse=False))][-1]
-
-
-def _last_linear_rows(model: SubspaceNet) -> torch.Tensor | None:
-    """Coordinates ``(C, P̃)`` of each output's row ``[W_c, b_c]`` for a last-layer subspace."""
-    sub = model.subspace
-    return sub.rows if sub.kind == "last_layer" else None
-
-
-def _mc_softmax(
-    lik: Likelihood, f_mean: torch.Tensor, f_cov: torch.Tensor, num_samples: int, seed: int
-) -> torch.Tensor:
-    """``E[softmax(f)]`` (``sigmoid`` for Bernoulli) under ``f ~ N(f_mean, f_cov)`` by Monte Carlo."""
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples: expected a positive int, got {num_samples!r}")
-    gen = torch.Generator(device=f_mean.device).manual_seed(seed)
-    eye = torch.eye(f_cov.shape[-1], dtype=f_cov.dtype, device=f_cov.device)
-    chol, info = torch.linalg.cholesky_ex(f_cov)
-    if bool(info.any()):  # a rank-deficient output covariance (e.g. zero features)
-        chol = torch.linalg.cholesky(
-            f_cov + 1e-10 * (1 + f_cov.diagonal(dim1=-2, dim2=-1).amax(-1))[..., None, None] * eye
-        )
-    eps = torch.randn(
-        num_samples, *f_mean.shape, generator=gen, dtype=f_mean.dtype, device=f_mean.device
-    )
-    z = f_mean + torch.einsum("nop,snp->sno", chol, eps)
-    if f_mean.shape[-1] == 1 and not isinstance(lik, Gaussian):
-        return z.squeeze(-1).sigmoid().mean(0)
-    return z.softmax(-1).mean(0)
+    """One component's predictive from its Gaussian outputs ``(N, O)``, ``(N, O, O)``: the
+    `MixturePredictor` format (``(mean, variance)`` or probabilities)."""
+    dist = lik.predictive_from_moments(f_mean, f_cov, "auto")
+    return (dist.mean, dist.variance) if lik.is_regression else dist.probs
 
 
 def _accuracy(probs: torch.Tensor, y: torch.Tensor) -> float:
@@ -501,8 +437,7 @@ def far_away_confidence_bound(mola: MixtureOfLaplace) -> float:
     mola._check_fitted()
     total = 0.0
     for pi, (model, guide) in zip(mola.weights.tolist(), mola.members):
-        net = model.flat.net
-        last = [m for m in net.modules() if list(m.parameters(recurse=False))][-1]
+        _, last = find_last_layer(model.flat.net)
         params = list(last.parameters(recurse=False))
         if len(params) != 1 or params[0].dim() != 2:
             raise ValueError(

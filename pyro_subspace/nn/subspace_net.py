@@ -106,16 +106,34 @@ class SubspaceNet(PyroModule):
         self.likelihood = likelihood
         if prior_mean == "zero" and scale.dim() == 1 and not bool((scale == scale[0]).all()):
             raise ValueError("prior_scale: prior_mean='zero' needs one scalar scale for all weights")
-        self.prior_mean = prior_mean
         self.register_buffer("prior_scale", scale.expand(subspace.rank).clone())
+        # λ in float64, the source of truth for the Laplace guides (exact, whatever the net's dtype)
+        lam = torch.as_tensor(prior_scale, dtype=torch.float64, device=scale.device)
+        self.register_buffer("_prior_precision", lam.square().reciprocal().expand(subspace.rank).clone())
         k = subspace.rank
-        eye = torch.eye(k, dtype=torch.float64, device=scale.device)
-        gram = subspace.gram() if prior_mean == "zero" else eye
-        loc = subspace.origin() if prior_mean == "zero" else eye.new_zeros(k)
-        #: ``t₀`` ``(K,)`` and ``PᵀP`` (``I`` for ``prior_mean="shift"``), float64.
-        self.register_buffer("prior_loc", loc)
-        self.register_buffer("prior_gram", gram)
-        self._gram_is_identity = bool(torch.equal(gram, eye))
+        #: ``t₀`` ``(K,)`` and ``PᵀP`` ``(K, K)`` float64; an empty ``prior_gram`` stands for
+        #: ``I`` (``prior_mean="shift"`` or a subnetwork), never materialised.
+        self.register_buffer("prior_loc", torch.zeros(k, dtype=torch.float64, device=scale.device))
+        self.register_buffer("prior_gram", torch.zeros(0, dtype=torch.float64, device=scale.device))
+        self.set_prior(prior_mean)
+
+    def set_prior(
+        self, prior_mean: str, prior_precision: float | torch.Tensor | None = None
+    ) -> None:
+        """Set the prior's centre (``"shift"``/``"zero"``) and optionally ``λ``, in place."""
+        if prior_mean not in PRIOR_MEANS:
+            raise ValueError(f"prior_mean: expected one of {PRIOR_MEANS}, got {prior_mean!r}")
+        sub, k = self.subspace, self.rank
+        self.prior_mean = prior_mean
+        zero = prior_mean == "zero"
+        gram = sub.gram() if zero and not sub.gram_is_identity else self.prior_loc.new_zeros(0)
+        self.prior_gram = gram
+        self.prior_loc.copy_(sub.origin() if zero else self.prior_loc.new_zeros(k))
+        self._gram_is_identity = gram.numel() == 0
+        if prior_precision is not None:
+            self.set_prior_precision(prior_precision)
+        elif prior_mean == "zero" and not bool((self.prior_scale == self.prior_scale[0]).all()):
+            raise ValueError("prior_scale: prior_mean='zero' needs one scalar scale for all weights")
 
     @property
     def rank(self) -> int:
@@ -136,10 +154,29 @@ class SubspaceNet(PyroModule):
         precision = self.prior_gram.to(dtype) / self.prior_scale[0].square()
         return MultivariateNormal(loc, precision_matrix=precision)
 
+    def prior_gram_matrix(self) -> torch.Tensor:
+        """``PᵀP`` ``(K, K)`` of the prior (``I`` unless ``prior_mean="zero"`` on a dense basis)."""
+        if self._gram_is_identity:
+            return torch.eye(self.rank, dtype=torch.float64, device=self.prior_loc.device)
+        return self.prior_gram
+
+    def prior_gram_diagonal(self) -> torch.Tensor:
+        """The diagonal ``(K,)`` of `prior_gram_matrix`, without forming it."""
+        if self._gram_is_identity:
+            return torch.ones(self.rank, dtype=torch.float64, device=self.prior_loc.device)
+        return self.prior_gram.diagonal()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
+        gram = state_dict.get(prefix + "prior_gram")
+        if gram is not None and gram.shape != self.prior_gram.shape:
+            self.prior_gram = torch.empty_like(gram)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._gram_is_identity = self.prior_gram.numel() == 0
+
     @property
     def prior_precision(self) -> torch.Tensor:
         """``λ = 1/σ²``, ``(K,)`` float64 (the prior precision matrix is ``λ PᵀP``)."""
-        return self.prior_scale.double().square().reciprocal()
+        return self._prior_precision
 
     def set_prior_precision(self, prior_precision: float | torch.Tensor) -> None:
         """Set ``λ`` (a positive float or ``(K,)``; scalar with ``prior_mean="zero"``) in place:
@@ -151,8 +188,9 @@ class SubspaceNet(PyroModule):
             raise ValueError(f"prior_precision: expected positive finite values, got {lam}")
         if self.prior_mean == "zero" and lam.dim() == 1 and not bool((lam == lam[0]).all()):
             raise ValueError("prior_precision: prior_mean='zero' needs one scalar λ")
-        scale = lam.rsqrt().to(self.prior_scale).expand(self.rank)
-        self.prior_scale.copy_(scale)
+        lam = lam.to(self._prior_precision).expand(self.rank)
+        self._prior_precision.copy_(lam)
+        self.prior_scale.copy_(lam.rsqrt().to(self.prior_scale))
 
     def latent_model(self) -> torch.Tensor:
         """The model's latent sites alone (``"t"`` from `prior`), without data: the prototype

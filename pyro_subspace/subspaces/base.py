@@ -152,6 +152,9 @@ class Subspace(nn.Module):
         the subspace (its precision is ``λ PᵀP``, see `gram`)."""
         return -torch.linalg.solve(self.gram(), self.transpose_apply(self.shift).double())
 
+    #: True when ``PᵀP = I`` by construction (index kinds), so it is never formed.
+    gram_is_identity: bool = False
+
     def gram(self) -> torch.Tensor:
         """``PᵀP`` ``(K, K)``, float64."""
         basis = self.dense_basis().double()
@@ -218,6 +221,7 @@ class IndexSubspace(Subspace):
     """A subnetwork: the basis is ``K`` distinct flat indices, its columns the unit vectors."""
 
     kind = "index"
+    gram_is_identity = True
 
     @property
     def rank(self) -> int:

@@ -1,0 +1,148 @@
+"""Posterior structures: how the covariance of the subspace coordinates ``t`` is represented.
+
+As laplace-torch separates the subset of weights from the Hessian structure, a Laplace guide
+combines a `Subspace` kind (which weights) with one of these (which covariance over them):
+
+- `FullStructure`: ``Σ⁻¹ = C/T + Λ₀`` as a dense ``(K, K)`` matrix (Subnetwork Inference eq. 15);
+- `DiagonalStructure`: only the diagonal, ``Σ = diag(1/(c/T + λ))`` (the mean-field baseline of
+  Subnetwork Inference sections 6.1–6.2 when the subspace is all weights).
+
+Each gives the curvature it needs from an `Evaluator`, the posterior precision and its factor,
+the functional covariance ``J_P Σ J_Pᵀ``, draws, and the log-determinants of the evidence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..._linalg import logdet, precision_to_scale_tril
+
+
+class FullStructure:
+    """Dense ``(K, K)`` precision ``Σ⁻¹ = PᵀGP/T + Λ₀``; ``Λ₀ = λ PᵀP`` or ``diag(λ)``."""
+
+    name = "full"
+
+    @staticmethod
+    def curvature(evaluator, t: torch.Tensor) -> torch.Tensor:
+        return evaluator.ggn(t)
+
+    @staticmethod
+    def prior_matrix(lam: torch.Tensor, model) -> torch.Tensor:
+        return torch.diag(lam) if lam.dim() == 1 else lam * model.prior_gram_matrix()
+
+    @staticmethod
+    def precision(curv: torch.Tensor, temperature: float, prior: torch.Tensor) -> torch.Tensor:
+        p = curv / temperature + prior
+        return (p + p.T) / 2
+
+    @staticmethod
+    def factor(precision: torch.Tensor) -> torch.Tensor:
+        """``L`` lower-triangular with ``L Lᵀ = Σ``."""
+        return precision_to_scale_tril(precision)
+
+    @staticmethod
+    def covariance(factor: torch.Tensor) -> torch.Tensor:
+        return factor @ factor.T
+
+    @staticmethod
+    def functional_covariance(jp: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+        """``J_P Σ J_Pᵀ`` ``(n, O, O)`` from ``J_P`` ``(n, O, K)``."""
+        return torch.einsum("nok,kj,npj->nop", jp, cov, jp)
+
+    @staticmethod
+    def feature_covariance(phi: torch.Tensor, rows: torch.Tensor, cov: torch.Tensor, diagonal: bool):
+        """A last layer: ``C_cd = φ̃ᵀ Σ_(c,d) φ̃`` (MoLA A.2) from features ``(n, P̃)``."""
+        if diagonal:
+            blocks = cov[rows[:, :, None], rows[:, None, :]]  # (C, P̃, P̃)
+            return torch.diag_embed(torch.einsum("np,cpq,nq->nc", phi, blocks, phi))
+        blocks = cov[rows[:, :, None, None], rows[None, None, :, :]]  # (C, P̃, C, P̃)
+        return torch.einsum("np,cpdq,nq->ncd", phi, blocks, phi)
+
+    @staticmethod
+    def draw(factor: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+        return eps @ factor.T
+
+    @staticmethod
+    def distribution(loc: torch.Tensor, factor: torch.Tensor):
+        from pyro.distributions import MultivariateNormal
+
+        return MultivariateNormal(loc, scale_tril=factor)
+
+    @staticmethod
+    def marginal_std(factor: torch.Tensor) -> torch.Tensor:
+        return factor.square().sum(-1).sqrt()
+
+    @staticmethod
+    def logdet(matrix: torch.Tensor, what: str) -> torch.Tensor:
+        return logdet(matrix, what)
+
+    @staticmethod
+    def quad(matrix: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        return d @ matrix @ d
+
+
+class DiagonalStructure:
+    """Diagonal precision ``c/T + λ`` ``(K,)`` with ``c = diag(PᵀGP)``; the prior's ``PᵀP`` is
+    replaced by its diagonal (exact for subnetworks and all-weights subspaces)."""
+
+    name = "diag"
+
+    @staticmethod
+    def curvature(evaluator, t: torch.Tensor) -> torch.Tensor:
+        return evaluator.ggn(t, diagonal=True)
+
+    @staticmethod
+    def prior_matrix(lam: torch.Tensor, model) -> torch.Tensor:
+        return lam if lam.dim() == 1 else lam * model.prior_gram_diagonal()
+
+    @staticmethod
+    def precision(curv: torch.Tensor, temperature: float, prior: torch.Tensor) -> torch.Tensor:
+        return curv / temperature + prior
+
+    @staticmethod
+    def factor(precision: torch.Tensor) -> torch.Tensor:
+        """Standard deviations ``(K,)``."""
+        if not bool((precision > 0).all()):
+            raise torch.linalg.LinAlgError(
+                f"posterior precision: not positive, smallest {float(precision.min()):g}"
+            )
+        return precision.rsqrt()
+
+    @staticmethod
+    def covariance(factor: torch.Tensor) -> torch.Tensor:
+        return factor.square()
+
+    @staticmethod
+    def functional_covariance(jp: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("nok,k,npk->nop", jp, cov, jp)
+
+    @staticmethod
+    def feature_covariance(phi: torch.Tensor, rows: torch.Tensor, cov: torch.Tensor, diagonal: bool):
+        var = cov[rows]  # (C, P̃)
+        return torch.diag_embed(torch.einsum("np,cp->nc", phi.square(), var))
+
+    @staticmethod
+    def draw(factor: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+        return eps * factor
+
+    @staticmethod
+    def distribution(loc: torch.Tensor, factor: torch.Tensor):
+        from pyro.distributions import Normal
+
+        return Normal(loc, factor).to_event(1)
+
+    @staticmethod
+    def marginal_std(factor: torch.Tensor) -> torch.Tensor:
+        return factor
+
+    @staticmethod
+    def logdet(matrix: torch.Tensor, what: str) -> torch.Tensor:
+        return matrix.log().sum()
+
+    @staticmethod
+    def quad(matrix: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        return (matrix * d.square()).sum()
+
+
+STRUCTURES = {s.name: s for s in (FullStructure, DiagonalStructure)}
