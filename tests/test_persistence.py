@@ -20,6 +20,8 @@ test cannot pass by loading nothing. Other test files reuse it with
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pyro
 import pytest
 import torch
@@ -172,7 +174,7 @@ def _run_trajectory(collector: SWACollector, steps: int, seed: int) -> None:
 
 
 class TestSWACollector(PersistenceContract):
-    kwargs: dict = {"max_snapshots": 4}  # 7 snapshots: the ring of the last 4 has wrapped
+    kwargs: ClassVar[dict] = {"max_snapshots": 4}  # 7 snapshots: the ring of the last 4 has wrapped
 
     def fitted(self):
         col = SWACollector(_bn_net(0), **self.kwargs)
@@ -198,7 +200,10 @@ class TestSWACollector(PersistenceContract):
 
 
 class TestFrequentDirectionsCollector(TestSWACollector):
-    kwargs: dict = {"method": "frequent_directions", "rank": 3}  # 7 rows: the sketch has shrunk
+    kwargs: ClassVar[dict] = {
+        "method": "frequent_directions",
+        "rank": 3,
+    }  # 7 rows: the sketch has shrunk
 
 
 # ---------------------------------------------------------------- SWAG, MultiSWAG

@@ -67,7 +67,8 @@ class FrequentDirections(nn.Module):
         super().__init__()
         self.dim = _check_int("dim", dim)
         self.ell = _check_int("ell", ell)
-        self.register_buffer("matrix", torch.zeros(ell, dim, dtype=dtype, device=device))  # (ell, D)
+        # the sketch B, shape: (ell, D)
+        self.register_buffer("matrix", torch.zeros(ell, dim, dtype=dtype, device=device))
         self.register_buffer("rows_seen", torch.zeros((), dtype=torch.long, device=device))
         self.register_buffer(
             "frobenius_seen", torch.zeros((), dtype=torch.float64, device=device)
@@ -118,7 +119,7 @@ class FrequentDirections(nn.Module):
         """``‖A‖_F² / ell``, the guaranteed bound on ``‖AᵀA − BᵀB‖₂``."""
         return self.frobenius_sq / self.ell
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # noqa: ANN001
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         # A sketch of another shape is a ValueError naming dim and ell, not torch's size mismatch.
         matrix = state_dict.get(prefix + "matrix")
         if isinstance(matrix, torch.Tensor) and matrix.shape != (self.ell, self.dim):

@@ -71,7 +71,9 @@ class SWACollector(nn.Module):
         if method == "frequent_directions" and (
             isinstance(rank, bool) or not isinstance(rank, int) or rank < 1
         ):
-            raise ValueError(f"rank: frequent directions needs the sketch size ℓ >= 1, got {rank!r}")
+            raise ValueError(
+                f"rank: frequent directions needs the sketch size ℓ >= 1, got {rank!r}"
+            )
         self.flat = FlatNet(net)  # a plain object: the network stays out of this module
         self.method = method
         self.max_snapshots = max_snapshots
