@@ -1,15 +1,13 @@
-"""Deep ensembles, SWAG and MultiSWAG: the mixture-predictive interface against direct computations."""
+"""Deep ensembles: the mixture-predictive interface against direct computations (SWAG: test_swag)."""
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from pyro_subspace import FlatNet, likelihoods, metrics, subspaces
+from pyro_subspace import FlatNet, likelihoods, metrics
 from pyro_subspace.infer.ensembles import DeepEnsemble, train_ensemble
-from pyro_subspace.infer.swag import SWAG, MultiSWAG
 
 
 def _blobs(n=60, seed=0):
@@ -91,57 +89,3 @@ def test_deep_ensemble_regression_mixture_and_moment_match():
         DeepEnsemble(nets[0], lik[0])
     with pytest.raises(ValueError, match="x"):
         de.predict(torch.full((3, 2), math.nan))
-
-
-def _filled_collector(m=5, seed=0):
-    """A SWACollector on a 2→2 linear net fed ``m`` known weight vectors."""
-    net = nn.Linear(2, 2)  # D = 6 > M - 1: the low-rank part is rank deficient
-    col = subspaces.SWACollector(net, max_snapshots=m)
-    gen = torch.Generator().manual_seed(seed)
-    snaps = torch.randn(m, 6, generator=gen) * torch.tensor([1.0, 0.5, 2.0, 0.1, 1.0, 0.3])
-    flat = FlatNet(net)
-    for w in snaps:
-        flat.load_vector(w)
-        col.collect()
-    return col, snaps.double().numpy()
-
-
-@pytest.mark.parametrize("low_rank, scale", [(True, 1.0), (True, 0.5), (False, 1.0)])
-def test_swag_draws_have_the_swag_covariance(low_rank, scale):
-    col, snaps = _filled_collector()
-    # Maddox et al. 2019: Σ_diag = diag(E[w²] − w̄²) from the snapshots; D̂ the stored deviations
-    mean = snaps.mean(0)
-    diag = (snaps**2).mean(0) - mean**2
-    dev = col.deviations.double().numpy()
-    lowrank = dev.T @ dev / (dev.shape[0] - 1)
-    target = scale * (0.5 * (np.diag(diag) + lowrank) if low_rank else np.diag(diag))
-    n = 200_000
-    w = SWAG(col, likelihoods.Categorical(), scale=scale, low_rank=low_rank).sample_weights(n)
-    w = w.double().numpy()
-    assert np.allclose(w.mean(0), mean, atol=5 * np.sqrt(np.diag(target) / n).max() + 1e-7)
-    emp = np.cov(w, rowvar=False)
-    se = np.sqrt((np.outer(np.diag(target), np.diag(target)) + target**2) / n)
-    assert np.all(np.abs(emp - target) <= 5 * se + 1e-9), np.abs(emp - target).max()
-    # a diagonal scaled by the variance instead of the standard deviation would give diag² here
-    # (spreads 0.1 to 2 make diag² and diag differ far beyond the tolerance)
-
-
-def test_swag_predictive_averages_softmax_over_draws_and_multiswag_pools_members():
-    col, _ = _filled_collector()
-    col2, _ = _filled_collector(seed=1)
-    lik = likelihoods.Categorical()
-    x = torch.randn(7, 2)
-    swag = SWAG(col, lik, num_samples=11, seed=4)
-    w = col.sample(11, scale=1.0, low_rank=True, seed=4)
-    direct = FlatNet(col.flat.net)(w, x).softmax(-1).mean(0).double()
-    assert torch.allclose(swag.predict(x), direct, atol=1e-6)
-    weights, comp = swag.components(x, num_samples=3)
-    assert comp.shape == (3, 7, 2) and torch.allclose(weights, torch.full((3,), 1 / 3).double())
-    multi = MultiSWAG([col, col2], lik, num_samples=11, seed=4)
-    both = (direct + SWAG(col2, lik, num_samples=11, seed=5).predict(x)) / 2
-    assert torch.allclose(multi.predict(x), both, atol=1e-6)
-    assert multi.components(x)[0].shape == (22,)
-    with pytest.raises(ValueError, match="scale"):
-        SWAG(col, lik, scale=0.0)
-    with pytest.raises(TypeError, match="collector"):
-        SWAG(None, lik)

@@ -188,26 +188,6 @@ def test_pca_mle_chooses_the_planted_dimension_of_a_trajectory():
     assert subspaces.pca(col, rank="mle").rank == 3
 
 
-def test_swag_samples_have_the_swag_covariance():
-    net = small_net()
-    col = SWACollector(net, max_snapshots=6)
-    d = col.flat.num_weights
-    run_trajectory(net, col, torch.randn(d, 2, dtype=torch.float64), steps=10, noise=0.05)
-    draws = col.sample(40_000, scale=0.5, seed=0).double()
-    dev = col.deviations.double()
-    cov = 0.5 * 0.5 * (torch.diag(col.variance.double()) + dev.T @ dev / (dev.shape[0] - 1))
-    emp = torch.cov(draws.T)
-    # entrywise Monte Carlo standard error of a covariance estimate: sqrt((Σii Σjj + Σij²)/n)
-    var = cov.diagonal()
-    se = ((var[:, None] * var[None, :] + cov**2) / draws.shape[0]).sqrt()
-    assert ((emp - cov).abs() <= 5 * se + 1e-12).all()
-    assert torch.allclose(draws.mean(0), col.mean.double(), atol=5 * var.max().sqrt().item() / 200)
-    diag = col.sample(20_000, low_rank=False, seed=1).double()
-    assert torch.allclose(diag.var(0), 0.5 * col.variance.double(), rtol=0.1, atol=1e-8)
-    with pytest.raises(ValueError, match="num_samples"):
-        col.sample(0)
-
-
 def test_frequent_directions_collector_spans_planted_directions_of_a_long_trajectory():
     net = small_net()
     col = SWACollector(net, method="frequent_directions", rank=6)

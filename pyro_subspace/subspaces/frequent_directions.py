@@ -12,6 +12,7 @@ of ``A``.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 def _check_int(name: str, value: object) -> int:
@@ -22,7 +23,7 @@ def _check_int(name: str, value: object) -> int:
     return value
 
 
-class FrequentDirections:
+class FrequentDirections(nn.Module):
     """Frequent-directions sketch ``B`` (ell, D) of a stream of rows ``a_i`` (D,).
 
     Rows go into an all-zero row of ``B``. When none is left, ``B`` is shrunk first: with the
@@ -44,6 +45,10 @@ class FrequentDirections:
         n_rows: number of rows appended so far.
         frobenius_sq: ``‖A‖_F²``, the running sum of squared norms of the appended rows.
 
+    The state lives in buffers (``matrix`` = ``B``, ``rows_seen``, ``frobenius_seen``), so the
+    sketch moves with ``.to(device)`` and round-trips through ``state_dict`` and
+    ``torch.load(weights_only=True)``; appending then continues exactly as before the round trip.
+
     Example:
         >>> fd = FrequentDirections(dim=3, ell=2)
         >>> for row in torch.eye(3):
@@ -59,20 +64,34 @@ class FrequentDirections:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
+        super().__init__()
         self.dim = _check_int("dim", dim)
         self.ell = _check_int("ell", ell)
-        self._sketch = torch.zeros(ell, dim, dtype=dtype, device=device)  # shape: (ell, D)
-        self.n_rows = 0
-        self.frobenius_sq = 0.0
+        # the sketch B, shape: (ell, D)
+        self.register_buffer("matrix", torch.zeros(ell, dim, dtype=dtype, device=device))
+        self.register_buffer("rows_seen", torch.zeros((), dtype=torch.long, device=device))
+        self.register_buffer(
+            "frobenius_seen", torch.zeros((), dtype=torch.float64, device=device)
+        )  # ‖A‖_F², accumulated in float64
+
+    @property
+    def n_rows(self) -> int:
+        """Number of rows appended so far."""
+        return int(self.rows_seen)
+
+    @property
+    def frobenius_sq(self) -> float:
+        """``‖A‖_F²`` of all appended rows."""
+        return float(self.frobenius_seen)
 
     def _shrink(self) -> None:
         """``B ← sqrt(max(Σ² − σ_ell², 0)) Vᵀ``; rows beyond ``min(ell, D)`` become zero."""
-        b = self._sketch.to(torch.float64)
+        b = self.matrix.to(torch.float64)
         _, s, vh = torch.linalg.svd(b, full_matrices=False)  # s: (k,), vh: (k, D), k = min(ell, D)
         delta = s[-1].square() if self.ell <= self.dim else s.new_zeros(())  # σ_ell = 0 if ell > D
         shrunk = torch.zeros_like(b)
         shrunk[: s.shape[0]] = (s.square() - delta).clamp_min(0).sqrt()[:, None] * vh
-        self._sketch = shrunk.to(self._sketch.dtype)
+        self.matrix.copy_(shrunk)
 
     def append(self, row: torch.Tensor) -> None:
         """Add one row ``a_i`` of shape ``(D,)`` to the sketch (shrinking ``B`` first if full)."""
@@ -81,42 +100,31 @@ class FrequentDirections:
             raise ValueError(f"row: expected a tensor of shape ({self.dim},), got {shape}")
         if not torch.isfinite(row).all():
             raise ValueError("row: contains NaN or inf")
-        row = row.to(self._sketch)
-        free = (self._sketch == 0).all(dim=1).nonzero()
+        row = row.to(self.matrix)
+        free = (self.matrix == 0).all(dim=1).nonzero()
         if free.numel() == 0:
             self._shrink()
-            free = (self._sketch == 0).all(dim=1).nonzero()
-        self._sketch[free[0, 0]] = row
-        self.n_rows += 1
-        self.frobenius_sq += row.to(torch.float64).square().sum().item()
+            free = (self.matrix == 0).all(dim=1).nonzero()
+        self.matrix[free[0, 0]] = row
+        self.rows_seen += 1
+        self.frobenius_seen += row.to(torch.float64).square().sum()
 
     @property
     def sketch(self) -> torch.Tensor:
         """A copy of the sketch ``B``, shape ``(ell, D)``."""
-        return self._sketch.clone()
+        return self.matrix.clone()
 
     @property
     def covariance_error_bound(self) -> float:
         """``‖A‖_F² / ell``, the guaranteed bound on ``‖AᵀA − BᵀB‖₂``."""
         return self.frobenius_sq / self.ell
 
-    def state_dict(self) -> dict[str, torch.Tensor | int | float]:
-        """Plain tensors and numbers, suitable for `torch.save`."""
-        return {
-            "dim": self.dim,
-            "ell": self.ell,
-            "sketch": self._sketch.clone(),
-            "n_rows": self.n_rows,
-            "frobenius_sq": self.frobenius_sq,
-        }
-
-    def load_state_dict(self, state: dict[str, torch.Tensor | int | float]) -> None:
-        """Restore a `state_dict`; its ``dim`` and ``ell`` must match this sketch's."""
-        if state["dim"] != self.dim or state["ell"] != self.ell:
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # A sketch of another shape is a ValueError naming dim and ell, not torch's size mismatch.
+        matrix = state_dict.get(prefix + "matrix")
+        if isinstance(matrix, torch.Tensor) and matrix.shape != (self.ell, self.dim):
             raise ValueError(
                 f"state: expected dim={self.dim}, ell={self.ell}, "
-                f"got dim={state['dim']}, ell={state['ell']}"
+                f"got dim={matrix.shape[-1]}, ell={matrix.shape[0]}"
             )
-        self._sketch = state["sketch"].to(self._sketch).clone()
-        self.n_rows = int(state["n_rows"])
-        self.frobenius_sq = float(state["frobenius_sq"])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -10,7 +10,6 @@ collected iterates in those directions: the subspace model then induces a low-ra
 from __future__ import annotations
 
 import math
-from collections import deque
 
 import numpy as np
 import torch
@@ -23,15 +22,19 @@ from .base import Subspace
 from .frequent_directions import FrequentDirections
 
 
-class SWACollector:
+class SWACollector(nn.Module):
     """Collects SWA statistics along a training trajectory (paper Algorithm 2).
 
-    Call `collect` once per epoch (or every ``c`` steps) of constant-learning-rate SGD.
+    Call `collect` once per epoch (or every ``c`` steps) of constant-learning-rate SGD. The
+    collector only collects: the running mean ``w̄``, the running second moment ``E[w²]`` and the
+    deviations ``D̂``. `pca` turns them into a subspace; `pyro_subspace.infer.SWAG` samples the
+    SWAG Gaussian (Maddox et al., 2019) from them.
 
     Args:
-        net: the network being trained; its parameters are read, never written.
+        net: the network being trained; its parameters are read, never written. It is *not* a
+            submodule: the collector's ``state_dict`` holds only the statistics.
         max_snapshots: ``M``, how many of the most recent deviations ``w_i − w̄`` to keep
-            (the paper uses 20). Memory is ``M·D`` numbers.
+            (the paper uses 20). Memory is ``M·D`` numbers, allocated up front.
         method: ``"last"`` keeps the last ``M`` deviations (Algorithm 2);
             ``"frequent_directions"`` keeps an ``ℓ``-row frequent-directions sketch of *all*
             deviations (Ghashami et al., 2016; paper C.2), so the trajectory can be arbitrarily
@@ -40,11 +43,23 @@ class SWACollector:
 
     Attributes:
         n_collected: number of snapshots averaged into `mean`.
+
+    Persistence: the statistics are buffers (``running_mean``, ``running_sq_mean``,
+    ``num_collected`` and ``deviation_rows`` ``(M, D)``, a ring of the last ``M`` deviations; or
+    the sketch's buffers under ``sketch.``), so a collector moves with ``.to(device)`` and
+    round-trips through ``state_dict`` / ``torch.load(weights_only=True)`` into a collector built
+    with the same ``max_snapshots``, ``method`` and ``rank`` on a network of the same size;
+    collecting then continues as if uninterrupted.
     """
+
+    running_mean: torch.Tensor
+    running_sq_mean: torch.Tensor
+    num_collected: torch.Tensor
 
     def __init__(
         self, net: nn.Module, max_snapshots: int = 20, method: str = "last", rank: int | None = None
     ) -> None:
+        super().__init__()
         if (
             isinstance(max_snapshots, bool)
             or not isinstance(max_snapshots, int)
@@ -53,21 +68,30 @@ class SWACollector:
             raise ValueError(f"max_snapshots: expected an int >= 2, got {max_snapshots!r}")
         if method not in ("last", "frequent_directions"):
             raise ValueError(f"method: expected 'last' or 'frequent_directions', got {method!r}")
-        self.flat = FlatNet(net)
+        if method == "frequent_directions" and (
+            isinstance(rank, bool) or not isinstance(rank, int) or rank < 1
+        ):
+            raise ValueError(
+                f"rank: frequent directions needs the sketch size ℓ >= 1, got {rank!r}"
+            )
+        self.flat = FlatNet(net)  # a plain object: the network stays out of this module
         self.method = method
         self.max_snapshots = max_snapshots
-        self.n_collected = 0
-        self._mean: torch.Tensor | None = None
-        self._sq_mean: torch.Tensor | None = None
-        self._deviations: deque[torch.Tensor] = deque(maxlen=max_snapshots)
-        self._sketch: FrequentDirections | None = None
+        w = self.flat.vector()
+        self.register_buffer("running_mean", torch.zeros_like(w))  # shape: (D,)
+        self.register_buffer("running_sq_mean", torch.zeros_like(w))  # shape: (D,)
+        self.register_buffer("num_collected", torch.zeros((), dtype=torch.long, device=w.device))
+        self.sketch: FrequentDirections | None = None
         if method == "frequent_directions":
-            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-                raise ValueError(
-                    f"rank: frequent directions needs the sketch size ℓ >= 1, got {rank!r}"
-                )
-            w = self.flat.vector()
-            self._sketch = FrequentDirections(w.numel(), rank, dtype=w.dtype, device=w.device)
+            self.sketch = FrequentDirections(w.numel(), rank, dtype=w.dtype, device=w.device)
+        else:
+            # slot i % M holds the i-th deviation (a ring); `deviations` reads them oldest first
+            self.register_buffer("deviation_rows", w.new_zeros(max_snapshots, w.numel()))
+
+    @property
+    def n_collected(self) -> int:
+        """Number of snapshots averaged into `mean`."""
+        return int(self.num_collected)
 
     def collect(self) -> None:
         """Add the network's current weights ``w_i``: update the running mean and second moment,
@@ -76,16 +100,17 @@ class SWACollector:
         if not torch.isfinite(w).all():
             raise ValueError("collect: the network's weights contain NaN or inf; training diverged")
         n = self.n_collected
-        if self._mean is None:
-            self._mean, self._sq_mean = w.clone(), w.square()
+        if n == 0:
+            self.running_mean.copy_(w)
+            self.running_sq_mean.copy_(w.square())
         else:
-            self._mean.mul_(n / (n + 1)).add_(w, alpha=1 / (n + 1))
-            self._sq_mean.mul_(n / (n + 1)).add_(w.square(), alpha=1 / (n + 1))
-        self.n_collected = n + 1
-        if self._sketch is not None:
-            self._sketch.append(w - self._mean)
+            self.running_mean.mul_(n / (n + 1)).add_(w, alpha=1 / (n + 1))
+            self.running_sq_mean.mul_(n / (n + 1)).add_(w.square(), alpha=1 / (n + 1))
+        self.num_collected += 1
+        if self.sketch is not None:
+            self.sketch.append(w - self.running_mean)
         else:
-            self._deviations.append(w - self._mean)
+            self.deviation_rows[n % self.max_snapshots] = w - self.running_mean
 
     def _require(self, what: str) -> None:
         if self.n_collected == 0:
@@ -95,22 +120,26 @@ class SWACollector:
     def mean(self) -> torch.Tensor:
         """The SWA solution ``w̄``, the mean of the collected weights, shape ``(D,)``."""
         self._require("mean")
-        return self._mean.clone()
+        return self.running_mean.clone()
 
     @property
     def variance(self) -> torch.Tensor:
         """Diagonal SWAG variance ``E[w²] − w̄²`` (clamped at 0), shape ``(D,)``."""
         self._require("variance")
-        return (self._sq_mean - self._mean.square()).clamp_min(0.0)
+        return (self.running_sq_mean - self.running_mean.square()).clamp_min(0.0)
 
     @property
     def deviations(self) -> torch.Tensor:
-        """The stored deviations ``w_i − w̄`` as rows, shape ``(M, D)`` with ``M <= max_snapshots``
-        (``method="last"``), or the frequent-directions sketch of all of them (``M <= ℓ``)."""
+        """The stored deviations ``w_i − w̄`` as rows, oldest first, shape ``(M, D)`` with
+        ``M <= max_snapshots`` (``method="last"``), or the frequent-directions sketch of all of
+        them (``M <= ℓ``)."""
         self._require("deviations")
-        if self._sketch is not None:
-            return self._sketch.sketch[: self.num_snapshots]
-        return torch.stack(list(self._deviations))
+        m = self.num_snapshots
+        if self.sketch is not None:
+            return self.sketch.sketch[:m]
+        first = (self.n_collected - m) % self.max_snapshots
+        order = (torch.arange(m, device=self.deviation_rows.device) + first) % self.max_snapshots
+        return self.deviation_rows[order]
 
     def covariance_factor(self) -> torch.Tensor:
         """Rows ``A`` with ``AᵀA`` ≈ the trajectory covariance, shape ``(M, D)``.
@@ -118,44 +147,20 @@ class SWACollector:
         ``D̂/sqrt(M − 1)`` for the last ``M`` deviations; ``B/sqrt(n − 1)`` for a sketch ``B`` of
         all ``n`` deviations.
         """
-        count = self.n_collected if self._sketch is not None else self.num_snapshots
+        count = self.n_collected if self.sketch is not None else self.num_snapshots
         if count < 2:
             raise ValueError(f"collector: needs at least 2 snapshots, {count} collected")
         return self.deviations / math.sqrt(count - 1)
 
-    def sample(
-        self, num_samples: int, scale: float = 0.5, low_rank: bool = True, seed: int | None = None
-    ) -> torch.Tensor:
-        """Weight draws from SWAG (Maddox et al., 2019), shape ``(num_samples, D)``.
-
-        ``w = w̄ + sqrt(scale) · (Σ_diag^{1/2} z₁ + D̂ᵀ z₂ / sqrt(M − 1)) / sqrt(2)`` with
-        ``z₁ ~ N(0, I_D)``, ``z₂ ~ N(0, I_M)`` and ``D̂`` the stored deviations (``M × D``);
-        ``low_rank=False`` gives SWAG-diagonal, ``w̄ + sqrt(scale) Σ_diag^{1/2} z₁``.
-        """
-        self._require("sample")
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples: expected a positive int, got {num_samples!r}")
-        if not isinstance(scale, (int, float)) or scale <= 0:
-            raise ValueError(f"scale: expected a positive number, got {scale!r}")
-        m = self.num_snapshots
-        if low_rank and m < 2:
-            raise ValueError(f"low_rank: needs at least 2 snapshots, {m} collected")
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(seed) if seed is not None else gen.seed()
-        mean, var = self._mean, self.variance
-        z1 = torch.randn(num_samples, mean.numel(), generator=gen, dtype=mean.dtype).to(mean.device)
-        draw = var.sqrt() * z1
-        if low_rank:
-            z2 = torch.randn(num_samples, m, generator=gen, dtype=mean.dtype).to(mean.device)
-            draw = (draw + z2 @ self.covariance_factor()) / math.sqrt(2)
-        return mean + math.sqrt(scale) * draw
-
     @property
     def num_snapshots(self) -> int:
         """``M``, the number of deviation rows currently stored (at most ``ℓ`` for a sketch)."""
-        if self._sketch is not None:
-            return min(self.n_collected, self._sketch.ell)
-        return len(self._deviations)
+        if self.sketch is not None:
+            return min(self.n_collected, self.sketch.ell)
+        return min(self.n_collected, self.max_snapshots)
+
+    def extra_repr(self) -> str:
+        return f"D={self.flat.num_weights}, method={self.method!r}, collected={self.n_collected}"
 
 
 def minka_log_evidence(
