@@ -1,8 +1,14 @@
 """Shared test set-up: fixed seeds, a clean param store and Pyro's validation for every test."""
 
+import sys
+from pathlib import Path
+
 import pyro
 import pytest
 import torch
+
+# benchmarks/ (paper protocols, OOD constructions) is not installed: its tests import it from here
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 @pytest.fixture(autouse=True)
