@@ -30,6 +30,21 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def usage_error(capsys):
+    """``usage_error(argv)`` runs ``pyro-subspace argv``, expects argparse's usage error
+    (exit status 2) and returns what it printed to stderr."""
+    from pyro_subspace import cli
+
+    def run(argv):
+        with pytest.raises(SystemExit) as exit_:
+            cli.execute(argv)
+        assert exit_.value.code == 2
+        return capsys.readouterr().err
+
+    return run
+
+
 def conjugate_posterior(x, y, sigma, prior_scale, temperature=1.0):
     """Closed-form posterior of ``t`` for ``y ~ N(x t, σ²)``, ``t ~ N(0, s² I)``, likelihood^(1/T).
 

@@ -87,10 +87,8 @@ def test_random_subspace_with_vi_on_diabetes(tmp_path):
         (["grid", "extra"], "unrecognized arguments: extra"),
     ],
 )
-def test_bad_arguments_exit_with_a_message(argv, match, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        cli.execute(argv)
-    assert exit_.value.code == 2 and match in capsys.readouterr().err
+def test_bad_arguments_exit_with_a_message(argv, match, usage_error):
+    assert match in usage_error(argv)
 
 
 def test_missing_tutorial_names_the_available_ones():

@@ -58,7 +58,5 @@ def test_hidden_and_components_set_the_architecture(tmp_path):
         (["--hidden", "128,0"], "argument --hidden: expected widths like 200,50"),
     ],
 )
-def test_bad_patch_options_exit_with_a_message(argv, match, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        cli.execute(["patch", *argv])
-    assert exit_.value.code == 2 and match in capsys.readouterr().err
+def test_bad_patch_options_exit_with_a_message(argv, match, usage_error):
+    assert match in usage_error(["patch", *argv])

@@ -34,14 +34,8 @@ MCMC_KERNELS = {
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = commands.add_parser(
-        "fit",
-        help="MAP/SWA -> subspace -> ESS/NUTS/HMC/VI/Laplace on regression data (the default)",
-        description=__doc__.split("\n\n", 1)[1],
-        formatter_class=options.Formatter,
-        allow_abbrev=False,
-    )
-    options.add_data_options(p, options.REGRESSION_DATA, "toy")
+    summary = "MAP/SWA -> subspace -> ESS/NUTS/HMC/VI/Laplace on regression data (the default)"
+    p = options.command_parser(commands, "fit", summary, __doc__, (options.REGRESSION_DATA, "toy"))
     g = p.add_argument_group("subspace and inference")
     g.add_argument("--subspace", choices=SUBSPACES, default="pca", help="the subspace kind")
     g.add_argument(
@@ -74,20 +68,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--samples", type=options.int_at_least(1), default=300, help="posterior draws")
     g.add_argument("--warmup", type=options.int_at_least(0), default=200, help="MCMC warm-up")
     g.add_argument("--vi-steps", type=options.int_at_least(1), default=1200, help="SVI steps")
-    g.add_argument(
-        "--laplace-prior",
-        choices=("marglik", "fixed"),
-        default="marglik",
-        help="laplace: tune the prior precision by the evidence, or keep 1/prior-scale^2",
-    )
-    t = options.add_network_options(
-        p,
-        hidden="auto",
-        hidden_help="hidden widths; 'auto': 200,50,50,50 on toy (paper 3.1), else 50 (G.1.2)",
-        epochs=2000,
-        lr=1e-3,
-    )
-    t.add_argument("--weight-decay", type=float, default=1e-4, help="of the MAP and SWA phases")
+    options.add_laplace_prior(g, "laplace", "1/prior-scale^2")
+    t = options.add_regression_training(p, "of the MAP and SWA phases")
     options.add_swa_options(t, "SWA (trajectory)")
     t.add_argument(
         "--swa-batch-size", type=options.int_at_least(1), default=50, help="SWA minibatch size"

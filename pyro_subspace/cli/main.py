@@ -38,7 +38,8 @@ def _legacy(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
         if arg == "--inference" and i + 1 < len(argv):
             value = argv[i + 1]
         if value in MOVED:
-            parser.error(f"--inference {value}: run 'pyro-subspace {MOVED[value]} --inference {value}'")
+            command = MOVED[value]
+            parser.error(f"--inference {value}: run 'pyro-subspace {command} --inference {value}'")
     return ["fit", *argv]
 
 

@@ -28,14 +28,9 @@ INFERENCE = ("mola", "deep_ensemble", "swag")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = commands.add_parser(
-        "mixture",
-        help="MoLA, deep ensemble or SWAG on regression data",
-        description=__doc__.split("\n\n", 1)[1],
-        formatter_class=options.Formatter,
-        allow_abbrev=False,
-    )
-    options.add_data_options(p, options.REGRESSION_DATA, "toy")
+    summary = "MoLA, deep ensemble or SWAG on regression data"
+    data = (options.REGRESSION_DATA, "toy")
+    p = options.command_parser(commands, "mixture", summary, __doc__, data)
     g = p.add_argument_group("method")
     g.add_argument("--inference", choices=INFERENCE, default="mola", help="the mixture")
     g.add_argument(
@@ -47,22 +42,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default="auto",
         help="mola: the weight prior's precision; 'auto': N x --weight-decay",
     )
-    g.add_argument(
-        "--laplace-prior",
-        choices=("marglik", "fixed"),
-        default="marglik",
-        help="mola: tune the prior precision by the evidence, or keep --prior-precision",
-    )
+    options.add_laplace_prior(g, "mola", "--prior-precision")
     g.add_argument("--samples", type=options.int_at_least(1), default=300, help="swag: draws")
-    t = options.add_network_options(
-        p,
-        hidden="auto",
-        hidden_help="hidden widths; 'auto': 200,50,50,50 on toy (Subspace Inference 3.1), "
-        "else 50 (G.1.2)",
-        epochs=2000,
-        lr=1e-3,
-    )
-    t.add_argument("--weight-decay", type=float, default=1e-4, help="of the MAP training")
+    t = options.add_regression_training(p, "of the MAP training")
     options.add_swa_options(t, "swag: SWAG")
     options.add_run_options(p)
     p.set_defaults(run=run, check=check)
@@ -156,7 +138,7 @@ def run(args: argparse.Namespace) -> dict:
     def plot(out):
         mean, var = predictor.predict(data.grid if data.grid is not None else data.x_test)
         path = out / f"{data.name}_{args.inference}.png"
-        title = f"{name} on {data.name}"
-        return report.plot_predictive(path, data, mean[:, 0].float(), var[:, 0].sqrt().float(), title)
+        mean, std = mean[:, 0].float(), var[:, 0].sqrt().float()
+        return report.plot_predictive(path, data, mean, std, f"{name} on {data.name}")
 
     return report.publish(results, args.out, report.regression_table, plot)

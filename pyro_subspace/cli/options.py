@@ -88,7 +88,29 @@ def widths(text: str) -> tuple[int, ...] | str:
     return values
 
 
-def add_data_options(p: argparse.ArgumentParser, choices: tuple[str, ...], default: str) -> None:
+def command_parser(
+    commands: argparse._SubParsersAction,
+    name: str,
+    summary: str,
+    doc: str,
+    data: tuple[tuple[str, ...], str] | None = None,
+) -> argparse.ArgumentParser:
+    """A subcommand's parser: ``summary`` in the command list, ``doc`` (a module docstring,
+    its first paragraph dropped) as the description; ``data = (choices, default)`` adds the
+    ``--dataset``, ``--csv``, ``--target`` options."""
+    p = commands.add_parser(
+        name,
+        help=summary,
+        description=doc.split("\n\n", 1)[-1],
+        formatter_class=Formatter,
+        allow_abbrev=False,
+    )
+    if data is not None:
+        _add_data_options(p, *data)
+    return p
+
+
+def _add_data_options(p: argparse.ArgumentParser, choices: tuple[str, ...], default: str) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--dataset", choices=choices, default=default, help="the data set")
     g.add_argument("--csv", type=Path, help="CSV file (with --dataset csv)")
@@ -103,6 +125,31 @@ def add_network_options(
     g.add_argument("--epochs", type=int_at_least(0), default=epochs, help="training epochs (Adam)")
     g.add_argument("--lr", type=positive_float, default=lr, help="Adam learning rate")
     return g
+
+
+def add_regression_training(
+    p: argparse.ArgumentParser, weight_decay_help: str
+) -> argparse._ArgumentGroup:
+    """`add_network_options` with the regression defaults, plus ``--weight-decay``."""
+    g = add_network_options(
+        p,
+        hidden="auto",
+        hidden_help="hidden widths; 'auto': 200,50,50,50 on toy (Subspace Inference 3.1), "
+        "else 50 (G.1.2)",
+        epochs=2000,
+        lr=1e-3,
+    )
+    g.add_argument("--weight-decay", type=float, default=1e-4, help=weight_decay_help)
+    return g
+
+
+def add_laplace_prior(g: argparse._ArgumentGroup, method: str, start: str) -> None:
+    g.add_argument(
+        "--laplace-prior",
+        choices=("marglik", "fixed"),
+        default="marglik",
+        help=f"{method}: tune the prior precision by the Laplace evidence, or keep {start}",
+    )
 
 
 def add_swa_options(g: argparse._ArgumentGroup, what: str) -> None:

@@ -27,14 +27,8 @@ INFERENCE = ("emp", "ecmp", "dropout", "ensemble")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = commands.add_parser(
-        "patch",
-        help="Ensemble Model Patching (emp, ecmp, dropout, ensemble) vs vanilla, classification",
-        description=__doc__.split("\n\n", 1)[1],
-        formatter_class=options.Formatter,
-        allow_abbrev=False,
-    )
-    options.add_data_options(p, ("digits", "csv"), "digits")
+    summary = "Ensemble Model Patching (emp, ecmp, dropout, ensemble) vs vanilla, classification"
+    p = options.command_parser(commands, "patch", summary, __doc__, (("digits", "csv"), "digits"))
     g = p.add_argument_group("method")
     g.add_argument("--inference", choices=INFERENCE, default="ecmp", help="the patching method")
     g.add_argument(
@@ -90,8 +84,8 @@ def _train(name: str, args: argparse.Namespace, data: datasets.Dataset):
     t0 = time.process_time()
     settings = dict(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
     if name == "vanilla":
-        tau_over_n = args.prior_precision / data.n_train
-        fit_map(net, lik, data.x_train, data.y_train, weight_decay=tau_over_n, progress=False, **settings)
+        settings.update(weight_decay=args.prior_precision / data.n_train, progress=False)
+        fit_map(net, lik, data.x_train, data.y_train, **settings)  # the prior as L2: tau/N
         return net.eval(), time.process_time() - t0, 0.0
     model = PatchedNet(
         net,

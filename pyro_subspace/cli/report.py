@@ -105,7 +105,9 @@ def plot_predictive(
     return _save(plt, fig, path)
 
 
-def plot_reliability(path: Path, probs: dict[str, torch.Tensor], y: torch.Tensor, title: str) -> Path:
+def plot_reliability(
+    path: Path, probs: dict[str, torch.Tensor], y: torch.Tensor, title: str
+) -> Path:
     """Reliability diagrams (20 bins; only bins of more than 5 points, as ECE/MCE use them)."""
     plt, fig, ax = _figure((5, 5))
     ax.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")

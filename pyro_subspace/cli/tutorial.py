@@ -22,19 +22,19 @@ def run_tutorial(name: str) -> None:
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
-    t = commands.add_parser(
+    t = options.command_parser(
+        commands,
         "tutorial",
-        help="run tutorials/NAME*.py from a source checkout",
-        description="Run a tutorial script; PYRO_SUBSPACE_TINY=1 shrinks its settings.",
-        formatter_class=options.Formatter,
+        "run tutorials/NAME*.py from a source checkout",
+        "Run a tutorial script; PYRO_SUBSPACE_TINY=1 shrinks its settings.",
     )
     t.add_argument("name", help="the tutorial's number or name prefix, e.g. 01")
     t.set_defaults(run=lambda args: run_tutorial(args.name))
-    g = commands.add_parser(
+    g = options.command_parser(
+        commands,
         "grid",
-        help="random/PCA/curve subspaces x VI/flow/ESS/NUTS (paper Fig. 3; tutorial 06)",
-        description="The Subspace Inference grid of subspaces x inference methods; writes "
+        "random/PCA/curve subspaces x VI/flow/ESS/NUTS (paper Fig. 3; tutorial 06)",
+        "The Subspace Inference grid of subspaces x inference methods (tutorial 06); writes "
         "out/06_subspace_grid.png.",
-        formatter_class=options.Formatter,
     )
     g.set_defaults(run=lambda args: run_tutorial(GRID_TUTORIAL))
