@@ -4,7 +4,7 @@ In-distribution: scikit-learn's digits (1797 8x8 images, 10 classes), a seeded s
 split; 15% of the training split is held out as the validation set that tunes the prior
 precision of LLLA and MoLA (never trained on by any method). Network: a ReLU MLP
 64-100-100-C trained with Adam and weight decay (the MAP). OOD sets, built offline
-(`datasets.ood_digits`, `datasets.digits_split_classes`):
+(`benchmarks/ood.py`: `ood_digits`, `digits_split_classes`):
 
 - uniform noise images; pixel-permuted test digits; test digits scaled far away, ``δ·x`` for
   ``δ = 10, 100, 1000`` (MoLA B.1);
@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -49,6 +51,9 @@ from pyro_subspace.infer import (
     MultiSWAG,
     train_ensemble,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
+from benchmarks.ood import digits_split_classes, ood_digits, rotated_digits  # noqa: E402
 
 SWA_LRS = (0.1, 0.05, 0.01, 0.005, 0.001)  # MoLA App. F's grid for SWAG, largest first
 METHODS = ("MAP", "DE", "SWAG", "MultiSWAG", "LLLA", "MoLA")
@@ -147,13 +152,13 @@ def one_seed(args: argparse.Namespace, seed: int) -> dict:
     torch.manual_seed(seed)
     data = datasets.digits(seed=seed)
     ood = {
-        "noise": datasets.ood_digits(data, "noise", seed=seed),
-        "permuted": datasets.ood_digits(data, "permuted", seed=seed),
-        **{f"δ={d}": datasets.ood_digits(data, "scaled", delta=d) for d in (10, 100, 1000)},
+        "noise": ood_digits(data, "noise", seed=seed),
+        "permuted": ood_digits(data, "permuted", seed=seed),
+        **{f"δ={d}": ood_digits(data, "scaled", delta=d) for d in (10, 100, 1000)},
     }
-    rotated = {a: datasets.rotated_digits(data, a) for a in args.angles}
+    rotated = {a: rotated_digits(data, a) for a in args.angles}
     predictors, lams = build(data, args, seed)
-    half, x_half_ood = datasets.digits_split_classes(seed=seed)
+    half, x_half_ood = digits_split_classes(seed=seed)
     predictors_half, lams_half = build(half, args, seed)
     out: dict = {"lambda": {**lams, **{f"{k} (0-4)": v for k, v in lams_half.items()}}}
     for name in METHODS:

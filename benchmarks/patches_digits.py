@@ -8,7 +8,7 @@ of width ``σ → 0`` (``sigma=0``; the paper fixes σ to machine epsilon):
 - EMP and ECMP (BN + output layer patched, K = 5), an explicit ensemble of 5.
 
 Over 3 seeds (data split, init, draws), on the clean test set and on digits rotated by 15°,
-30°, 45° and 60° (`datasets.rotated_digits`): accuracy, NLL, ECE, MCE (20 bins, bins of
+30°, 45° and 60° (`benchmarks.ood.rotated_digits`): accuracy, NLL, ECE, MCE (20 bins, bins of
 <= 5 samples dropped, appendix D.2), parameter overhead, and training CPU time relative to
 vanilla (``time.process_time``, one thread, so that other load on the machine does not count).
 Predictions use S = 100 draws; a second table compares S = 1, 20, 100 (Table 7). A last line
@@ -22,12 +22,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from pyro_subspace import datasets
-from pyro_subspace.nn.patched_experiment import scores, train_method
+from pyro_subspace.metrics import classification_scores as scores
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
+from benchmarks.ood import rotated_digits  # noqa: E402
+from benchmarks.protocols import train_method  # noqa: E402
 
 METHODS = ("vanilla", "dropout", "emp", "ecmp", "ensemble")
 ANGLES = (0, 15, 30, 45, 60)
@@ -65,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
         train_method(name, warm, epochs=1, seed=0)
     for seed in range(args.seeds):
         data = datasets.digits(seed=seed)
-        inputs = {a: data.x_test if a == 0 else datasets.rotated_digits(data, a) for a in ANGLES}
+        inputs = {a: data.x_test if a == 0 else rotated_digits(data, a) for a in ANGLES}
         for name in METHODS:
             trained = train_method(
                 name,

@@ -447,3 +447,20 @@ def regression_scores(means: Tensor, variances: Tensor, y: Tensor, level: float 
         "rmse": rmse(mu, y),
         "coverage95": interval_coverage(y, lower, upper),
     }
+
+
+def classification_scores(
+    probs: Tensor, y: Tensor, n_bins: int = 20, min_count: int = 5
+) -> dict[str, float]:
+    """Accuracy, NLL, ECE and MCE of predictive class probabilities (Ensemble Model Patching,
+    appendix D.2: 20 bins, bins of ``<= min_count`` points left out of ECE and MCE).
+
+    Args:
+        probs: predictive probabilities ``(N, C)``; y: class indices ``(N,)``.
+        n_bins, min_count: as in `calibration_errors`.
+
+    Returns:
+        ``{"acc", "nll", "ece", "mce"}`` as floats.
+    """
+    ece, mce = calibration_errors(probs, y, n_bins=n_bins, min_count=min_count)
+    return {"acc": accuracy(probs, y), "nll": categorical_nll(probs, y), "ece": ece, "mce": mce}

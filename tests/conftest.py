@@ -1,8 +1,14 @@
 """Shared test set-up: fixed seeds, a clean param store and Pyro's validation for every test."""
 
+import sys
+from pathlib import Path
+
 import pyro
 import pytest
 import torch
+
+# benchmarks/ (paper protocols, OOD constructions) is not installed: its tests import it from here
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 @pytest.fixture(autouse=True)
@@ -22,6 +28,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def usage_error(capsys):
+    """``usage_error(argv)`` runs ``pyro-subspace argv``, expects argparse's usage error
+    (exit status 2) and returns what it printed to stderr."""
+    from pyro_subspace import cli
+
+    def run(argv):
+        with pytest.raises(SystemExit) as exit_:
+            cli.execute(argv)
+        assert exit_.value.code == 2
+        return capsys.readouterr().err
+
+    return run
 
 
 def conjugate_posterior(x, y, sigma, prior_scale, temperature=1.0):

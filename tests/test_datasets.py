@@ -326,24 +326,19 @@ def test_dataset_checks_shapes_and_task():
         datasets.toy_features(torch.zeros(3, 1))
 
 
-def test_rotate_images_quarter_turn_is_exact_and_matches_rot90():
-    raw = torch.as_tensor(load_digits().data[:5], dtype=torch.float32)
-    turned = datasets.rotate_images(raw, 90.0)
-    # counter-clockwise by 90 degrees == torch.rot90 on (row, col) images, up to rounding
-    expected = torch.rot90(raw.reshape(-1, 8, 8), 1, dims=(1, 2)).reshape(-1, 64)
-    assert torch.allclose(turned, expected, atol=1e-4)
-    assert torch.equal(datasets.rotate_images(raw, 0.0), raw)
-    with pytest.raises(ValueError, match="images"):
-        datasets.rotate_images(raw[:, :10], 30.0)
-
-
-def test_rotated_digits_keeps_the_standardisation():
-    d = datasets.digits(seed=0)
-    same = datasets.rotated_digits(d, 0.0)
-    assert torch.allclose(same, d.x_test, atol=1e-5)
-    turned = datasets.rotated_digits(d, 180.0)
-    raw = d.x_test * d.x_std + d.x_mean
-    flipped = torch.flip(raw.reshape(-1, 8, 8), dims=(1, 2)).reshape(-1, 64)
-    assert torch.allclose(turned, (flipped - d.x_mean) / d.x_std, atol=1e-3)
-    with pytest.raises(ValueError, match="data"):
-        datasets.rotated_digits(datasets.diabetes(), 15.0)
+def test_from_arrays_splits_like_the_bundled_loaders():
+    raw = load_diabetes(scaled=False)
+    mine = datasets.from_arrays(raw.data, raw.target, name="diabetes", seed=3)
+    ref = datasets.diabetes(seed=3)
+    for field in ("x_train", "y_train", "x_test", "y_test", "x_mean", "x_std"):
+        assert torch.equal(getattr(mine, field), getattr(ref, field)), field
+    assert (mine.y_mean, mine.y_std) == (ref.y_mean, ref.y_std)
+    digits = load_digits()
+    both = datasets.from_arrays(
+        digits.data, digits.target, "classification", seed=0, test_fraction=0.2
+    )
+    assert torch.equal(both.x_test, datasets.digits(seed=0).x_test) and both.n_classes == 10
+    with pytest.raises(ValueError, match="task"):
+        datasets.from_arrays(raw.data, raw.target, task="ranking")
+    with pytest.raises(ValueError, match="x, y"):
+        datasets.from_arrays(raw.data, raw.target[:-1])

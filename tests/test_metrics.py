@@ -507,3 +507,13 @@ def test_regression_scores_agree_with_the_single_metrics_and_a_numpy_computation
     half = 1.959963984540054 * np.sqrt(var)
     assert scores["coverage95"] == pytest.approx(np.mean(np.abs(t - mu) <= half))
     assert scores["nll"] == pytest.approx(metrics.mixture_gaussian_nll(means, variances, y))
+
+
+def test_classification_scores_collects_the_four_paper_metrics():
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.rand(400, 3, generator=gen).softmax(-1)
+    y = torch.randint(0, 3, (400,), generator=gen)
+    got = metrics.classification_scores(probs, y)
+    assert got["acc"] == pytest.approx((probs.argmax(-1) == y).double().mean().item())
+    assert got["nll"] == pytest.approx(-probs[torch.arange(400), y].log().mean().item(), rel=1e-6)
+    assert (got["ece"], got["mce"]) == metrics.calibration_errors(probs, y, n_bins=20, min_count=5)

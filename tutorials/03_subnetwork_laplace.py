@@ -28,6 +28,7 @@
 # %%
 import itertools
 import os
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -42,6 +43,11 @@ from pyro_subspace import SubspaceNet, datasets, fit_map, likelihoods, metrics, 
 from pyro_subspace.curvature import ggn_diagonal
 from pyro_subspace.flat import FlatNet, num_weights
 from pyro_subspace.infer import AutoSubspaceLaplace, DiagonalLaplace, linearized_predictive
+
+# benchmarks/ (in the source checkout, not installed) holds the experiment protocols
+ROOT = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.cwd().parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.ood import rotated_digits  # noqa: E402
 
 TINY = os.environ.get("PYRO_SUBSPACE_TINY") == "1"
 OUT = Path(os.environ.get("PYRO_SUBSPACE_OUT", "out"))
@@ -219,7 +225,7 @@ print(f"D = {num_weights(net)} weights")
 # %%
 scores = {name: {"ll": [], "ece": []} for name in ["MAP", *approximations]}
 for angle in ANGLES:
-    x_rot = datasets.rotated_digits(digits, angle)
+    x_rot = rotated_digits(digits, angle)
     with torch.no_grad():
         predictions = {"MAP": net(x_rot).softmax(-1)}
     for name, approx in approximations.items():

@@ -27,6 +27,7 @@
 
 # %%
 import os
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -38,7 +39,12 @@ import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO
 
 from pyro_subspace import PatchedNet, datasets, likelihoods, metrics
-from pyro_subspace.nn.patched_experiment import bn_mlp, scores, train_method
+
+# benchmarks/ (in the source checkout, not installed) holds the experiment protocols
+ROOT = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.cwd().parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.ood import rotated_digits  # noqa: E402
+from benchmarks.protocols import bn_mlp, train_method  # noqa: E402
 
 TINY = os.environ.get("PYRO_SUBSPACE_TINY") == "1"
 OUT = Path(os.environ.get("PYRO_SUBSPACE_OUT", "out"))
@@ -90,14 +96,14 @@ print("Predictive sites:", {k: tuple(v.shape) for k, v in pred.items() if k in (
 trained = {}
 for name in ("vanilla", "dropout", "emp", "ecmp"):
     trained[name] = train_method(name, data, epochs=EPOCHS, seed=0)
-shifted = datasets.rotated_digits(data, 30)
+shifted = rotated_digits(data, 30)
 table = {}
 probs = {"clean": {}, "rotated 30°": {}}
 for name, t in trained.items():
     torch.manual_seed(1)
     probs["clean"][name] = t.probs(data.x_test, S)
     probs["rotated 30°"][name] = t.probs(shifted, S)
-    table[name] = scores(probs["clean"][name], data.y_test)
+    table[name] = metrics.classification_scores(probs["clean"][name], data.y_test)
     r = table[name]
     print(
         f"{name:<8} overhead {t.overhead:6.2f}%  acc {r['acc']:.3f}  NLL {r['nll']:.3f}  "

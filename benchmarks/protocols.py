@@ -1,5 +1,6 @@
-"""The Ensemble Model Patching classification protocol, shared by the CLI, tutorial 04 and
-``benchmarks/patches_digits.py``.
+"""The Ensemble Model Patching classification protocol, shared by tutorial 04 and
+``benchmarks/patches_digits.py`` (the ``pyro-subspace patch`` command runs the same recipe with
+these settings as its flags' defaults; ``tests/test_benchmarks_protocols.py`` checks they agree).
 
 A BatchNorm MLP (``in-128-BN-ReLU-128-BN-ReLU-out``) trained with Adam on its default settings
 (``lr = 1e-3``), as the paper trains every model (section 5), with the same Gaussian prior
@@ -20,10 +21,8 @@ import pyro
 import torch
 from torch import nn
 
-from .. import likelihoods, metrics
-from ..datasets import Dataset
-from ..train import fit_map
-from .patched_net import PatchedNet
+from pyro_subspace import PatchedNet, fit_map, likelihoods
+from pyro_subspace.datasets import Dataset
 
 METHODS = ("vanilla", "dropout", "dropconnect", "emp", "ecmp", "ensemble")
 
@@ -140,14 +139,3 @@ def train_method(
     )
     seconds = time.process_time() - t0
     return TrainedMethod(name, model.eval(), seconds, model.overhead)
-
-
-def scores(probs: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-    """Accuracy, NLL, ECE and MCE (20 bins, bins of <= 5 points dropped; appendix D.2)."""
-    ece, mce = metrics.calibration_errors(probs, y, n_bins=20, min_count=5)
-    return {
-        "acc": metrics.accuracy(probs, y),
-        "nll": metrics.categorical_nll(probs, y),
-        "ece": ece,
-        "mce": mce,
-    }

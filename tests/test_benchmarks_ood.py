@@ -1,9 +1,10 @@
-"""OOD sets for the digits benchmarks: noise, permuted, scaled, held-out classes."""
+"""benchmarks/ood.py: rotated digits and the OOD sets (noise, permuted, scaled, held-out)."""
 
 import pytest
 import torch
 from sklearn.datasets import load_digits
 
+from benchmarks import ood
 from pyro_subspace import datasets
 
 
@@ -17,7 +18,7 @@ def _raw(data, x):
 
 
 def test_noise_is_uniform_over_the_raw_pixel_range(data):
-    x = datasets.ood_digits(data, "noise", seed=1)
+    x = ood.ood_digits(data, "noise", seed=1)
     assert x.shape == data.x_test.shape and x.dtype == torch.float32
     raw = _raw(data, x)
     assert raw.min() >= -1e-4 and raw.max() <= 16 + 1e-3
@@ -25,12 +26,12 @@ def test_noise_is_uniform_over_the_raw_pixel_range(data):
     n = raw.numel()
     assert abs(raw.mean().item() - 8.0) < 5 * (16 / 12**0.5) / n**0.5
     assert raw.var().item() == pytest.approx(256 / 12, rel=0.03)
-    assert torch.equal(x, datasets.ood_digits(data, "noise", seed=1))
-    assert not torch.equal(x, datasets.ood_digits(data, "noise", seed=2))
+    assert torch.equal(x, ood.ood_digits(data, "noise", seed=1))
+    assert not torch.equal(x, ood.ood_digits(data, "noise", seed=2))
 
 
 def test_permuted_digits_keep_each_images_pixels(data):
-    x = datasets.ood_digits(data, "permuted", seed=3)
+    x = ood.ood_digits(data, "permuted", seed=3)
     raw, raw_test = _raw(data, x), _raw(data, data.x_test)
     # the same multiset of pixel values per image, in a different order
     assert torch.allclose(raw.sort(1).values, raw_test.sort(1).values, atol=1e-4)
@@ -43,7 +44,7 @@ def test_permuted_digits_keep_each_images_pixels(data):
 
 def test_scaled_is_delta_times_the_standardised_test_inputs(data):
     for delta in (10, 100.0, 1000):
-        assert torch.equal(datasets.ood_digits(data, "scaled", delta=delta), data.x_test * delta)
+        assert torch.equal(ood.ood_digits(data, "scaled", delta=delta), data.x_test * delta)
 
 
 @pytest.mark.parametrize(
@@ -57,13 +58,13 @@ def test_scaled_is_delta_times_the_standardised_test_inputs(data):
 )
 def test_bad_arguments_name_themselves(data, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        datasets.ood_digits(data, **kwargs)
+        ood.ood_digits(data, **kwargs)
     with pytest.raises(ValueError, match="data"):
-        datasets.ood_digits(datasets.diabetes(), "noise")
+        ood.ood_digits(datasets.diabetes(), "noise")
 
 
 def test_held_out_classes_split_relabels_and_standardises():
-    data, x_ood = datasets.digits_split_classes(seed=0, in_classes=(0, 1, 2, 3, 4))
+    data, x_ood = ood.digits_split_classes(seed=0, in_classes=(0, 1, 2, 3, 4))
     raw = load_digits()
     n_in = int((raw.target < 5).sum())
     assert data.n_classes == 5 and data.name == "digits"
@@ -74,13 +75,36 @@ def test_held_out_classes_split_relabels_and_standardises():
     back = x_ood * data.x_std + data.x_mean
     assert torch.allclose(back, torch.as_tensor(raw.data[raw.target >= 5]).float(), atol=1e-3)
     # relabelling follows the order of in_classes
-    other, _ = datasets.digits_split_classes(seed=0, in_classes=(9, 3))
+    other, _ = ood.digits_split_classes(seed=0, in_classes=(9, 3))
     first = torch.as_tensor(raw.data[raw.target == 9][:1]).float()
     sel = ((other.x_train * other.x_std + other.x_mean) - first).abs().sum(1) < 1e-3
     sel_test = ((other.x_test * other.x_std + other.x_mean) - first).abs().sum(1) < 1e-3
     labels = torch.cat([other.y_train[sel], other.y_test[sel_test]])
     assert labels.tolist() == [0]
     with pytest.raises(ValueError, match="in_classes"):
-        datasets.digits_split_classes(in_classes=(1, 1))
+        ood.digits_split_classes(in_classes=(1, 1))
     with pytest.raises(ValueError, match="in_classes"):
-        datasets.digits_split_classes(in_classes=(3, 12))
+        ood.digits_split_classes(in_classes=(3, 12))
+
+
+def test_rotate_images_quarter_turn_is_exact_and_matches_rot90():
+    raw = torch.as_tensor(load_digits().data[:5], dtype=torch.float32)
+    turned = ood.rotate_images(raw, 90.0)
+    # counter-clockwise by 90 degrees == torch.rot90 on (row, col) images, up to rounding
+    expected = torch.rot90(raw.reshape(-1, 8, 8), 1, dims=(1, 2)).reshape(-1, 64)
+    assert torch.allclose(turned, expected, atol=1e-4)
+    assert torch.equal(ood.rotate_images(raw, 0.0), raw)
+    with pytest.raises(ValueError, match="images"):
+        ood.rotate_images(raw[:, :10], 30.0)
+
+
+def test_rotated_digits_keeps_the_standardisation():
+    d = datasets.digits(seed=0)
+    same = ood.rotated_digits(d, 0.0)
+    assert torch.allclose(same, d.x_test, atol=1e-5)
+    turned = ood.rotated_digits(d, 180.0)
+    raw = d.x_test * d.x_std + d.x_mean
+    flipped = torch.flip(raw.reshape(-1, 8, 8), dims=(1, 2)).reshape(-1, 64)
+    assert torch.allclose(turned, (flipped - d.x_mean) / d.x_std, atol=1e-3)
+    with pytest.raises(ValueError, match="data"):
+        ood.rotated_digits(datasets.diabetes(), 15.0)

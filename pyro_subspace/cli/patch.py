@@ -1,0 +1,140 @@
+"""``pyro-subspace patch``: Ensemble Model Patching against the vanilla network, classification.
+
+Trains a BatchNorm MLP (``in-h-BN-ReLU-…-h-BN-ReLU-out``, ``--hidden``) twice from the same
+initialisation, with Adam on shuffled minibatches and the same prior ``N(0, τ⁻¹ I)``
+(``τ = --prior-precision``): the vanilla MAP (weight decay ``τ/N``) and a `PatchedNet` (``emp``
+/ ``ecmp``: BN + output layer patched with ``--components`` components, eqs. 5-6; ``dropout``:
+MC dropout; ``ensemble``: ``--components`` whole networks). Predicts with ``--samples`` Monte
+Carlo draws (Algorithm 1), prints accuracy / NLL / ECE / MCE (20 bins, appendix D.2),
+parameter overhead and training CPU time, and writes ``results.json`` and a reliability
+diagram (Chang et al., Ensemble Model Patching). The defaults are the protocol of
+``benchmarks/protocols.py`` in a source checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from .. import datasets, likelihoods, metrics
+from ..nn import PatchedNet
+from ..train import fit_map
+from . import options, report
+
+INFERENCE = ("emp", "ecmp", "dropout", "ensemble")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    summary = "Ensemble Model Patching (emp, ecmp, dropout, ensemble) vs vanilla, classification"
+    p = options.command_parser(commands, "patch", summary, __doc__, (("digits", "csv"), "digits"))
+    g = p.add_argument_group("method")
+    g.add_argument("--inference", choices=INFERENCE, default="ecmp", help="the patching method")
+    g.add_argument(
+        "--components",
+        type=options.int_at_least(2),
+        default=5,
+        help="K: mixture components per patch (emp, ecmp) or networks (ensemble)",
+    )
+    g.add_argument(
+        "--drop-prob", type=float, default=0.1, help="dropout: probability of dropping a unit"
+    )
+    g.add_argument(
+        "--prior-precision",
+        type=options.positive_float,
+        default=1.0,
+        help="tau of the weight prior N(0, 1/tau I), shared by all methods",
+    )
+    g.add_argument(
+        "--samples", type=options.int_at_least(1), default=300, help="Monte Carlo predictive draws"
+    )
+    t = options.add_network_options(
+        p, hidden="128,128", hidden_help="hidden widths (each Linear-BN-ReLU)", epochs=200, lr=1e-3
+    )
+    t.add_argument("--batch-size", type=options.int_at_least(1), default=128, help="minibatch")
+    options.add_run_options(p)
+    p.set_defaults(run=run, check=check)
+    return p
+
+
+def check(args: argparse.Namespace, given: set[str]) -> None:
+    """Reject option combinations that do not make sense (`options.UsageError`)."""
+    options.check_data(args, given)
+    if args.epochs < 1:
+        raise options.UsageError("--epochs: expected a positive int")
+    dropout = args.inference == "dropout"
+    options.reject_unused(
+        given,
+        {
+            "--components": (not dropout, "to --inference emp, ecmp or ensemble"),
+            "--drop-prob": (dropout, "to --inference dropout"),
+        },
+    )
+
+
+def _train(name: str, args: argparse.Namespace, data: datasets.Dataset):
+    """Train ``vanilla`` or a patching method; returns the model (eval mode), CPU seconds and
+    the parameter overhead in percent."""
+    with torch.random.fork_rng(devices=[]):  # one initialisation for every method
+        torch.manual_seed(args.seed)
+        net = options.mlp(data.n_features, args.hidden, int(data.n_classes), batchnorm=True)
+    lik = likelihoods.Categorical()
+    options.seed_everything(args.seed)
+    t0 = time.process_time()
+    settings = dict(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
+    if name == "vanilla":
+        settings.update(weight_decay=args.prior_precision / data.n_train, progress=False)
+        fit_map(net, lik, data.x_train, data.y_train, **settings)  # the prior as L2: tau/N
+        return net.eval(), time.process_time() - t0, 0.0
+    model = PatchedNet(
+        net,
+        lik,
+        mode=name,
+        n_components=args.components,
+        prior_precision=args.prior_precision,
+        drop_prob=args.drop_prob,
+        sigma=0.0,
+        seed=args.seed,
+    )
+    model.fit(data.x_train, data.y_train, **settings)
+    return model.eval(), time.process_time() - t0, model.overhead
+
+
+@torch.no_grad()
+def _probs(model, x: torch.Tensor, num_samples: int) -> torch.Tensor:
+    """Class probabilities ``(N, C)``: the mean of ``num_samples`` draws, or one softmax."""
+    if isinstance(model, PatchedNet):
+        return model.predictive_mean(x, num_samples)
+    return model(x).softmax(-1)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Train vanilla and ``--inference``, score both; returns the results (also written)."""
+    data = options.load_data(args, "classification")
+    rows, probs = {}, {}
+    for name in ("vanilla", args.inference):
+        model, seconds, overhead = _train(name, args, data)
+        torch.manual_seed(args.seed)
+        probs[name] = _probs(model, data.x_test, args.samples)
+        rows[name] = {
+            **metrics.classification_scores(probs[name], data.y_test),
+            "overhead_percent": overhead,
+            "train_seconds": seconds,
+        }
+    results = {
+        "dataset": data.name,
+        "inference": args.inference,
+        "components": args.components,
+        "samples": args.samples,
+        "epochs": args.epochs,
+        "prior_precision": args.prior_precision,
+        "rows": rows,
+    }
+
+    def plot(out):
+        path = out / f"{data.name}_{args.inference}_calibration.png"
+        title = f"{data.name}: vanilla vs {args.inference}"
+        return report.plot_reliability(path, probs, data.y_test, title)
+
+    return report.publish(results, args.out, report.classification_table, plot)
