@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -54,6 +54,7 @@ class FlatNet:
         self.shapes = [p.shape for _, p in params]
         self.numels = [p.numel() for _, p in params]
         self.num_weights = sum(self.numels)
+        self._shape_of = dict(zip(self.names, self.shapes))
 
     def vector(self) -> torch.Tensor:
         """The network's current weights as one detached vector, shape ``(D,)``."""
@@ -93,27 +94,135 @@ class FlatNet:
         Returns:
             Outputs of shape ``(N, *out_shape)`` or ``(*batch, N, *out_shape)``.
 
-        The network runs in whatever mode it is in; in training mode BatchNorm would update its
-        running statistics in place, which ``vmap`` refuses, so batched calls need eval mode (see
-        `eval_mode`).
+        The network runs in whatever mode it is in (see `eval_mode`); a batch in training mode
+        is evaluated vector by vector, as in `evaluate`.
         """
-        if w.dim() == 1:
-            return self._call_one(w, x)
-        batch = w.shape[:-1]
-        flat_w = w.reshape(-1, w.shape[-1])
+        return self.evaluate(self.unflatten(w), x)
+
+    def evaluate(
+        self,
+        params: Mapping[str, torch.Tensor],
+        x: torch.Tensor,
+        buffers: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Evaluate the network with some or all of its parameters (and buffers) replaced.
+
+        ``torch.func.functional_call`` does the work; the network's own tensors are never
+        changed, except that BatchNorm in training mode updates the running statistics it is
+        given in place (the network's own, unless ``buffers`` replaces them).
+
+        Args:
+            params: ``{parameter name: (*batch, *shape)}``, any subset of the network's
+                parameters, all with the same leading ``batch`` shape; the others keep the
+                network's values.
+            x: inputs ``(N, *in_shape)``, shared by every draw.
+            buffers: ``{buffer name: tensor}`` replacing those buffers, each either of the
+                buffer's own shape (shared by all draws) or ``(*batch, *shape)`` (one per draw,
+                e.g. an ensemble member's BatchNorm statistics).
+
+        Returns:
+            Outputs ``(*batch, N, *out_shape)``. A batch is evaluated with ``vmap`` or a loop as
+            ``batch_strategy`` says, and always with a loop in training mode: BatchNorm then
+            updates its statistics in place, which ``vmap`` refuses. In the loop, per-draw
+            buffers are passed as views ``buffers[name][i]``, so their updates reach the tensor
+            given.
+        """
+        batch = self._batch_shape(params)
+        buffers = {} if buffers is None else dict(buffers)
+        if not batch:
+            return functional_call(self.net, {**params, **buffers}, (x,))
+        own = dict(self.net.named_buffers()) if buffers else {}
+        for name, value in buffers.items():
+            if name not in own:
+                raise ValueError(f"buffers: the network has no buffer named {name!r}")
+        per_draw = {k: v for k, v in buffers.items() if v.dim() > own[k].dim()}
+        shared = {k: v for k, v in buffers.items() if k not in per_draw}
+        size = math.prod(batch)
+        flat_p = {k: v.reshape(size, *v.shape[len(batch) :]) for k, v in params.items()}
+        flat_b = {k: v.reshape(size, *v.shape[len(batch) :]) for k, v in per_draw.items()}
+
+        def one(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
+            return functional_call(self.net, {**p, **b, **shared}, (x,))
+
         strategy = self.batch_strategy
         if strategy == "auto":
-            strategy = "loop" if w.device.type == "cpu" else "vmap"
-        if strategy == "vmap":
-            out = vmap(self._call_one, in_dims=(0, None))(flat_w, x)
+            strategy = "loop" if x.device.type == "cpu" else "vmap"
+        if strategy == "vmap" and not self.net.training:
+            out = vmap(one, in_dims=(0, 0))(flat_p, flat_b)
         else:
-            out = torch.stack([self._call_one(wi, x) for wi in flat_w])
+            out = torch.stack(
+                [
+                    one({k: v[i] for k, v in flat_p.items()}, {k: v[i] for k, v in flat_b.items()})
+                    for i in range(size)
+                ]
+            )
         return out.reshape(*batch, *out.shape[1:])
 
-    def _call_one(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        params = self.unflatten(w)
-        buffers = dict(self.net.named_buffers())
-        return functional_call(self.net, {**params, **buffers}, (x,))
+    def _batch_shape(self, params: Mapping[str, torch.Tensor]) -> tuple[int, ...]:
+        """The common leading batch shape of ``params``; raises naming a wrong name or shape."""
+        batch = None
+        for name, value in params.items():
+            shape = self._shape_of.get(name)
+            if shape is None:
+                raise ValueError(f"params: the network has no parameter named {name!r}")
+            lead = value.dim() - len(shape)
+            if lead < 0 or value.shape[lead:] != shape:
+                raise ValueError(
+                    f"params: {name!r} must have shape (*batch, {', '.join(map(str, shape))}), "
+                    f"got {tuple(value.shape)}"
+                )
+            if batch is None:
+                batch = tuple(value.shape[:lead])
+            elif tuple(value.shape[:lead]) != batch:
+                raise ValueError(
+                    f"params: {name!r} has batch shape {tuple(value.shape[:lead])}, others {batch}"
+                )
+        return batch or ()
+
+    def recompute_batchnorm(
+        self,
+        w: torch.Tensor | Mapping[str, torch.Tensor],
+        x: torch.Tensor,
+        chunk_size: int | None = None,
+    ) -> None:
+        """Set every BatchNorm layer's running statistics to those of the data ``x`` at ``w``.
+
+        The statistics are reset and recomputed by training-mode passes over ``x`` in chunks of
+        ``chunk_size`` rows (``None``: one pass), each chunk weighted by its size (BatchNorm's
+        ``momentum`` set to ``chunk / rows so far``; with one chunk the statistics are exactly
+        the batch statistics of ``x``). Used to evaluate a network at weights it was not
+        trained at (Subspace Inference C.3, curve losses; elliptical slice proposals). Modes
+        and momenta are restored; the buffers are changed on purpose: wrap the call in
+        ``preserved(net, buffers=True)`` to keep the user's. No-op without BatchNorm.
+
+        Args:
+            w: flat weights ``(D,)`` or a ``{parameter name: tensor}`` dict (as `evaluate`).
+            x: data ``(N, *in_shape)``.
+            chunk_size: rows per pass.
+        """
+        if chunk_size is not None and (
+            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+        ):
+            raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
+        bn = [m for m in self.net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if not bn:
+            return
+        params = self.unflatten(w) if isinstance(w, torch.Tensor) else dict(w)
+        n = x.shape[0]
+        step = n if chunk_size is None else chunk_size
+        momenta = [m.momentum for m in bn]
+        with torch.no_grad(), train_mode(self.net):
+            try:
+                for m in bn:
+                    m.reset_running_stats()
+                for i in range(0, n, step):
+                    chunk = x[i : i + step]
+                    for m in bn:
+                        m.momentum = chunk.shape[0] / (i + chunk.shape[0])
+                    self.evaluate(params, chunk)
+            finally:
+                for m, momentum in zip(bn, momenta, strict=True):
+                    m.momentum = momentum
 
     def chunked(self, w: torch.Tensor, x: torch.Tensor, chunk_size: int = 4096) -> torch.Tensor:
         """Like ``self(w, x)`` but runs the data in chunks of ``chunk_size`` rows.
@@ -132,18 +241,65 @@ class FlatNet:
 
 
 @contextlib.contextmanager
-def eval_mode(net: nn.Module) -> Iterator[nn.Module]:
-    """Put ``net`` in eval mode for the duration of the block, then restore every module's mode.
+def preserved(
+    *modules: nn.Module, modes: bool = True, buffers: bool = False
+) -> Iterator[tuple[nn.Module, ...]]:
+    """Save the state of ``modules`` on entry and put it back on any exit, exceptions included.
 
-    The user's per-module ``training`` flags are saved and put back exactly, so no state is lost.
+    The one place in the library that saves and restores module state: `eval_mode`,
+    `train_mode`, the training loops, `FlatNet.recompute_batchnorm`'s callers and `PatchedNet`
+    all go through it.
+
+    Args:
+        *modules: the networks whose state is kept (each with all its submodules).
+        modes: restore every submodule's own ``training`` flag, so a mixed train/eval setting
+            the user chose comes back exactly.
+        buffers: restore the values of every buffer (BatchNorm running statistics and
+            ``num_batches_tracked``), copied back in place into the same tensors.
+
+    Example:
+        >>> with preserved(net, buffers=True):
+        ...     net.train()
+        ...     net(x)  # updates the BatchNorm statistics, which are then restored
     """
-    modes = [(m, m.training) for m in net.modules()]
-    net.eval()
+    saved_modes = [(m, m.training) for net in modules for m in net.modules()] if modes else []
+    saved_buffers = (
+        [(b, b.detach().clone()) for net in modules for b in net.buffers()] if buffers else []
+    )
     try:
-        yield net
+        yield modules
     finally:
-        for m, training in modes:
+        with torch.no_grad():
+            for b, value in saved_buffers:
+                b.copy_(value)
+        for m, training in saved_modes:
             m.training = training
+
+
+@contextlib.contextmanager
+def eval_mode(*modules: nn.Module) -> Iterator[nn.Module]:
+    """Put ``modules`` in eval mode for the duration of the block, then restore every module's mode.
+
+    The user's per-module ``training`` flags are saved and put back exactly (`preserved`), also
+    when the block raises. Yields the first module.
+    """
+    with preserved(*modules):
+        for m in modules:
+            m.eval()
+        yield modules[0]
+
+
+@contextlib.contextmanager
+def train_mode(*modules: nn.Module) -> Iterator[nn.Module]:
+    """Put ``modules`` in training mode for the block, then restore every module's mode.
+
+    Buffers are not restored: training updates BatchNorm running statistics on purpose (use
+    ``preserved(net, buffers=True)`` to discard them). Yields the first module.
+    """
+    with preserved(*modules):
+        for m in modules:
+            m.train()
+        yield modules[0]
 
 
 def num_weights(net: nn.Module) -> int:

@@ -1,13 +1,13 @@
-"""`fit_map`: the plain training loop (MAP, then an optional constant-learning-rate SWA phase)."""
+"""`fit_map`: MAP training (then an optional constant-learning-rate SWA phase) on `minibatch_loop`."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from .flat import eval_mode
+from .flat import eval_mode, train_mode
 from .likelihoods import Likelihood
+from .minibatch import minibatch_loop, shuffle_generator
 from .subspaces import SWACollector
 
 
@@ -91,9 +91,7 @@ def fit_map(
         if collector.flat.net is not net:
             raise ValueError("collector: was built on a different network than net")
 
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(seed) if seed is not None else gen.seed()
-    bs = n if batch_size is None else min(batch_size, n)
+    gen = shuffle_generator(seed)
     groups = [{"params": list(net.parameters()), "weight_decay": float(weight_decay)}]
     extra = [p for p in likelihood.parameters() if p.requires_grad]
     if extra:
@@ -105,52 +103,29 @@ def fit_map(
             return torch.optim.Adam(params, lr=rate)
         return torch.optim.SGD(params, lr=rate, momentum=momentum)
 
-    phases = [(make(optimizer, lr, groups), epochs, False)]
-    if swa_epochs:  # the SWA phase moves the weights only; likelihood parameters stay at the MAP
-        phases.append((make("sgd", lr if swa_lr is None else swa_lr, groups[:1]), swa_epochs, True))
+    def step(idx: torch.Tensor) -> torch.Tensor:
+        out = net(x[idx])
+        out = out.unsqueeze(-1) if out.dim() == 1 else out
+        if not torch.isfinite(out).all():
+            raise FloatingPointError(
+                "fit_map: the network outputs became non-finite; lower the learning rate"
+            )
+        return -likelihood.log_prob(out, y[idx]).mean()
+
+    loop = dict(batch_size=batch_size, generator=gen, device=x.device, progress=progress)
     history: list[float] = []
-    modes = [(m, m.training) for m in net.modules()]
-    net.train()
-    bar = tqdm(
-        total=epochs + swa_epochs,
-        desc="fit_map",
-        disable=not progress,
-        leave=False,
-        mininterval=0.5,
-    )
-    try:
-        for opt, n_epochs, swa in phases:
-            for _ in range(n_epochs):
-                order = torch.randperm(n, generator=gen).to(x.device)
-                total = 0.0
-                for start in range(0, n, bs):
-                    idx = order[start : start + bs]
-                    opt.zero_grad()
-                    out = net(x[idx])
-                    out = out.unsqueeze(-1) if out.dim() == 1 else out
-                    if not torch.isfinite(out).all():
-                        raise FloatingPointError(
-                            f"fit_map: the network outputs became non-finite at epoch "
-                            f"{len(history) + 1} ({'swa' if swa else 'map'} phase); lower the learning rate"
-                        )
-                    loss = -likelihood.log_prob(out, y[idx]).mean()
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(
-                            f"fit_map: the loss became {loss.item()} at epoch {len(history) + 1}; "
-                            "lower lr or check the data"
-                        )
-                    loss.backward()
-                    opt.step()
-                    total += loss.item() * idx.numel()
-                history.append(total / n)
-                if swa:
-                    collector.collect()
-                bar.update()
-                bar.set_postfix(
-                    loss=f"{history[-1]:.4f}", phase="swa" if swa else "map", refresh=False
-                )
-    finally:
-        bar.close()
-        for m, training in modes:
-            m.training = training
+    with train_mode(net):
+        history += minibatch_loop(
+            step, n, epochs=epochs, optimizer=make(optimizer, lr, groups), desc="fit_map", **loop
+        )
+        if swa_epochs:  # the SWA phase moves the weights only; likelihood parameters stay put
+            history += minibatch_loop(
+                step,
+                n,
+                epochs=swa_epochs,
+                optimizer=make("sgd", lr if swa_lr is None else swa_lr, groups[:1]),
+                on_epoch=lambda epoch, loss: collector.collect(),
+                desc="fit_map (swa)",
+                **loop,
+            )
     return history

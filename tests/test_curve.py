@@ -79,3 +79,29 @@ def test_curve_inputs_are_checked():
             torch.zeros(5),
             progress=False,
         )
+
+
+def test_batchnorm_net_in_training_mode_keeps_its_buffers_and_modes():
+    """fit_curve probes the output width in eval mode (a one-row train-mode pass fails in
+    BatchNorm) and restores buffers and modes; curve_losses uses the statistics at each point."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 1))
+    net[3].eval()  # a mixed mode the user chose
+    x, y = torch.randn(30, 2), torch.randn(30)
+    net(x)
+    saved = [b.clone() for b in net.buffers()]
+    w0 = nn.utils.parameters_to_vector(net.parameters()).detach()
+    w1 = w0 + 0.5 * torch.randn(w0.shape)
+    lik = likelihoods.Gaussian(0.5)
+    theta = subspaces.fit_curve(net, lik, x, y, w0, w1, epochs=3, batch_size=10, progress=False)
+    s, on_curve, _ = curve_losses(net, lik, x, y, w0, theta, w1, 3)
+    assert net.training and net[1].training and not net[3].training
+    assert all(torch.equal(a, b) for a, b in zip(saved, net.buffers()))
+    # the loss at w1 by hand: BatchNorm with the batch statistics of x at w1 (unbiased variance)
+    names = [name for name, _ in net.named_parameters()]
+    p = dict(zip(names, torch.split(w1, [10, 5, 5, 5, 5, 1])))
+    h = x @ p["0.weight"].view(5, 2).T + p["0.bias"]
+    h = (h - h.mean(0)) / torch.sqrt(h.var(0) + net[1].eps) * p["1.weight"] + p["1.bias"]
+    f = torch.tanh(h) @ p["3.weight"].view(1, 5).T + p["3.bias"]
+    expected = -torch.distributions.Normal(f[:, 0], 0.5).log_prob(y).mean()
+    assert float(on_curve[-1]) == pytest.approx(float(expected), rel=1e-5)

@@ -1,8 +1,10 @@
+import copy
+
 import pytest
 import torch
 from torch import nn
 
-from pyro_subspace.flat import FlatNet, eval_mode, num_weights
+from pyro_subspace.flat import FlatNet, eval_mode, num_weights, preserved, train_mode
 
 
 def make_bn_net():
@@ -70,3 +72,98 @@ def test_load_vector_round_trip_and_errors():
         FlatNet(net, batch_strategy="pmap")
     with pytest.raises(ValueError, match="chunk_size"):
         flat.chunked(w, torch.randn(3, 4), chunk_size=0)
+
+
+def test_preserved_restores_modes_and_buffers_on_an_exception():
+    net = make_bn_net()
+    net[1].eval()
+    modes = [m.training for m in net.modules()]
+    saved = [b.clone() for b in net.buffers()]
+    with pytest.raises(RuntimeError, match="boom"):
+        with preserved(net, buffers=True):
+            net.train()
+            net(torch.randn(16, 4) + 5)  # moves the running statistics
+            assert not torch.equal(net[1].running_mean, saved[0])
+            raise RuntimeError("boom")
+    assert [m.training for m in net.modules()] == modes
+    assert all(torch.equal(a, b) for a, b in zip(saved, net.buffers()))
+    with train_mode(net):  # buffers are not kept by train_mode: training updates them
+        assert all(m.training for m in net.modules())
+        net(torch.randn(16, 4) + 5)
+    assert [m.training for m in net.modules()] == modes
+    assert not torch.equal(net[1].running_mean, saved[0])
+
+
+def _copy_with(net, params=None, buffers=None):
+    """An independent evaluation: a deep copy of ``net`` with some tensors overwritten."""
+    other = copy.deepcopy(net)
+    state = other.state_dict()
+    with torch.no_grad():
+        for k, v in {**(params or {}), **(buffers or {})}.items():
+            state[k].copy_(v)
+    return other
+
+
+def test_evaluate_overrides_some_parameters_and_per_draw_buffers():
+    net = make_bn_net().eval()
+    flat = FlatNet(net, batch_strategy="vmap")
+    x = torch.randn(9, 4)
+    new = {"3.weight": torch.randn(2, 8)}
+    torch.testing.assert_close(flat.evaluate(new, x), _copy_with(net, new)(x), rtol=0, atol=0)
+    # two draws, each with its own weight and its own BatchNorm running mean
+    w = torch.randn(2, 2, 8)
+    means = torch.randn(2, 8)
+    expected = torch.stack(
+        [
+            _copy_with(net, {"3.weight": w[i]}, {"1.running_mean": means[i]})(x)
+            for i in range(2)
+        ]
+    )
+    for strategy in ("vmap", "loop"):
+        got = FlatNet(net, batch_strategy=strategy).evaluate(
+            {"3.weight": w}, x, {"1.running_mean": means}
+        )
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="no parameter named 'nope'"):
+        flat.evaluate({"nope": w}, x)
+    with pytest.raises(ValueError, match=r"'3.weight' must have shape"):
+        flat.evaluate({"3.weight": torch.randn(8, 2)}, x)
+    with pytest.raises(ValueError, match="no buffer named"):
+        flat.evaluate({"3.weight": w}, x, {"1.bogus": means})
+
+
+def test_a_batch_in_training_mode_updates_batchnorm_draw_by_draw():
+    net = make_bn_net()
+    reference = copy.deepcopy(net)
+    flat = FlatNet(net, batch_strategy="vmap")  # vmap cannot update buffers: a loop is used
+    w = flat.vector() + 0.1 * torch.randn(3, flat.num_weights)
+    x = torch.randn(12, 4)
+    got = flat(w, x)
+    expected = []
+    for i in range(3):
+        nn.utils.vector_to_parameters(w[i], reference.parameters())
+        expected.append(reference(x))
+    torch.testing.assert_close(got, torch.stack(expected).detach())
+    torch.testing.assert_close(net[1].running_mean, reference[1].running_mean)
+    assert int(net[1].num_batches_tracked) == int(reference[1].num_batches_tracked)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_recompute_batchnorm_sets_the_statistics_of_the_data_at_w(chunk_size):
+    net = make_bn_net()
+    net[1].eval()
+    net[1].momentum = 0.3
+    flat = FlatNet(net)
+    w = flat.vector() + 0.2 * torch.randn(flat.num_weights)
+    x = torch.randn(13, 4) * 2
+    flat.recompute_batchnorm(w, x, chunk_size=chunk_size)
+    h = x @ flat.unflatten(w)["0.weight"].T + flat.unflatten(w)["0.bias"]  # the BN inputs
+    chunks = [h] if chunk_size is None else list(h.split(chunk_size))
+    sizes = torch.tensor([float(c.shape[0]) for c in chunks])
+    mean = sum(s * c.mean(0) for s, c in zip(sizes, chunks)) / sizes.sum()
+    var = sum(s * c.var(0) for s, c in zip(sizes, chunks)) / sizes.sum()  # unbiased per chunk
+    torch.testing.assert_close(net[1].running_mean, mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(net[1].running_var, var, rtol=1e-5, atol=1e-6)
+    assert net[1].momentum == 0.3 and net.training and not net[1].training
+    with pytest.raises(ValueError, match="chunk_size"):
+        flat.recompute_batchnorm(w, x, chunk_size=0)

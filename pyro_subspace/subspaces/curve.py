@@ -13,15 +13,12 @@ orthonormal so that `SubspaceNet`'s standard prior ``t ~ N(0, I_2)`` is exactly 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from ..flat import FlatNet
+from ..flat import FlatNet, eval_mode, preserved
 from ..likelihoods import Likelihood
+from ..minibatch import minibatch_loop, shuffle_generator
 from .base import Subspace
 
 
@@ -67,21 +64,6 @@ def curve(w0: torch.Tensor, theta: torch.Tensor, w1: torch.Tensor) -> Subspace:
     return Subspace(mu, (q * sigma).to(w0.dtype))
 
 
-@contextlib.contextmanager
-def _kept_buffers(net: nn.Module) -> Iterator[None]:
-    """Restore the network's buffers (BatchNorm statistics) and modes after the block."""
-    saved = [(b, b.detach().clone()) for b in net.buffers()]
-    modes = [(m, m.training) for m in net.modules()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, value in saved:
-                b.copy_(value)
-        for m, training in modes:
-            m.training = training
-
-
 def curve_losses(
     net: nn.Module,
     likelihood: Likelihood,
@@ -108,30 +90,14 @@ def curve_losses(
     line_w = (1 - s)[:, None] * w0 + s[:, None] * w1
 
     def loss(w: torch.Tensor) -> float:
-        net.train()
-        flat(w, x)  # refresh BatchNorm running statistics at w (no-op without BatchNorm)
-        net.eval()
+        flat.recompute_batchnorm(w, x)  # the statistics at w, one full-batch pass
         out = flat(w, x)
         out = out.unsqueeze(-1) if out.dim() == 1 else out
         return -likelihood.log_prob(out, y).mean().item()
 
-    bn = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    momenta = [m.momentum for m in bn]
-    with torch.no_grad(), _kept_buffers(net):
-        for m in bn:
-            m.momentum = None  # cumulative average: one full-batch pass sets the statistics
-        try:
-            results = []
-            for ws in (curve_w, line_w):
-                values = []
-                for w in ws:
-                    for m in bn:
-                        m.reset_running_stats()
-                    values.append(loss(w))
-                results.append(torch.tensor(values))
-        finally:
-            for m, momentum in zip(bn, momenta, strict=True):
-                m.momentum = momentum
+    with torch.no_grad(), preserved(net, buffers=True):
+        net.eval()
+        results = [torch.tensor([loss(w) for w in ws]) for ws in (curve_w, line_w)]
     return s, results[0], results[1]
 
 
@@ -179,32 +145,31 @@ def fit_curve(
     n = x.shape[0]
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size: expected a positive int or None, got {batch_size!r}")
-    with torch.no_grad():
-        probe = flat(w0, x[:1])
+    with torch.no_grad(), eval_mode(net):
+        probe = flat(w0, x[:1])  # only the output width is needed to check the targets
     probe = probe.unsqueeze(-1) if probe.dim() == 1 else probe
     y = likelihood.validate(probe.new_zeros(n, *probe.shape[1:]), y)
-    gen = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
-    if seed is None:
-        gen.seed()
+    gen = shuffle_generator(seed)
     w0, w1 = w0.detach(), w1.detach()
     theta = ((w0 + w1) / 2).clone().requires_grad_(True)
-    opt = torch.optim.Adam([theta], lr=lr, weight_decay=weight_decay)
-    bs = n if batch_size is None else min(batch_size, n)
-    with _kept_buffers(net):
+
+    def step(idx: torch.Tensor) -> torch.Tensor:
+        s = torch.rand((), generator=gen, dtype=w0.dtype)  # one point of the curve per minibatch
+        out = flat(bezier(w0, theta, w1, s), x[idx])
+        out = out.unsqueeze(-1) if out.dim() == 1 else out
+        return -likelihood.log_prob(out, y[idx]).mean()
+
+    with preserved(net, buffers=True):
         net.train()
-        for _ in tqdm(
-            range(epochs), desc="fit_curve", disable=not progress, leave=False, mininterval=0.5
-        ):
-            order = torch.randperm(n, generator=gen).to(x.device)
-            for start in range(0, n, bs):
-                idx = order[start : start + bs]
-                s = torch.rand((), generator=gen, dtype=w0.dtype)
-                out = flat(bezier(w0, theta, w1, s), x[idx])
-                out = out.unsqueeze(-1) if out.dim() == 1 else out
-                loss = -likelihood.log_prob(out, y[idx]).mean()
-                if not torch.isfinite(loss):
-                    raise FloatingPointError("fit_curve: the loss became non-finite; lower lr")
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+        minibatch_loop(
+            step,
+            n,
+            epochs=epochs,
+            batch_size=batch_size,
+            generator=gen,
+            optimizer=torch.optim.Adam([theta], lr=lr, weight_decay=weight_decay),
+            device=x.device,
+            desc="fit_curve",
+            progress=progress,
+        )
     return theta.detach()

@@ -1,0 +1,67 @@
+"""The shared minibatch loop against a hand-written loop with the same permutations."""
+
+import pytest
+import torch
+
+from pyro_subspace.minibatch import minibatch_loop, shuffle_generator
+
+
+def least_squares(n=23, d=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    return x, x @ torch.arange(1.0, d + 1, dtype=torch.float64)
+
+
+def test_sgd_steps_equal_a_hand_written_loop_over_the_same_permutations():
+    x, y = least_squares()
+    w = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    seen = []
+    history = minibatch_loop(
+        lambda idx: ((x[idx] @ w - y[idx]) ** 2).mean(),
+        23,
+        epochs=3,
+        batch_size=5,
+        generator=shuffle_generator(7),
+        optimizer=torch.optim.SGD([w], lr=0.05),
+        on_epoch=lambda epoch, loss: seen.append((epoch, loss)),
+    )
+    gen, v, expected = torch.Generator().manual_seed(7), torch.zeros(3, dtype=torch.float64), []
+    for _ in range(3):
+        order, total = torch.randperm(23, generator=gen), 0.0
+        for start in range(0, 23, 5):
+            i = order[start : start + 5]
+            r = x[i] @ v - y[i]
+            total += float((r**2).mean()) * len(i)
+            v = v - 0.05 * 2 * x[i].T @ r / len(i)  # the gradient of the minibatch mean, by hand
+        expected.append(total / 23)
+    torch.testing.assert_close(w.detach(), v, rtol=1e-12, atol=1e-12)
+    assert history == pytest.approx(expected, rel=1e-12)
+    assert seen == [(k, h) for k, h in enumerate(history)]
+
+
+def test_small_last_batches_are_skipped_and_batch_means_recorded():
+    sizes = []
+
+    def step(idx):
+        sizes.append(len(idx))
+        return float(len(idx))
+
+    history = minibatch_loop(
+        step, 11, epochs=2, batch_size=5, min_batch_size=2, epoch_loss="batches"
+    )
+    assert sizes == [5, 5] * 2 and history == [5.0, 5.0]  # the batch of one point skipped
+    sizes.clear()
+    minibatch_loop(step, 1, epochs=1, batch_size=5, min_batch_size=2)  # N = 1: still one step
+    assert sizes == [1]
+
+
+def test_the_global_generator_is_untouched_and_divergence_raises():
+    torch.manual_seed(3)
+    expected = torch.rand(2)
+    torch.manual_seed(3)
+    minibatch_loop(lambda idx: 0.0, 10, epochs=2, batch_size=3)  # no generator: a fresh one
+    assert torch.equal(torch.rand(2), expected)
+    with pytest.raises(FloatingPointError, match="demo: the loss became nan at epoch 1"):
+        minibatch_loop(lambda idx: float("nan"), 4, epochs=1, desc="demo")
+    with pytest.raises(ValueError, match="epoch_loss"):
+        minibatch_loop(lambda idx: 0.0, 4, epochs=1, epoch_loss="sum")
