@@ -155,7 +155,8 @@ def _laplace(model: SubspaceNet, args: argparse.Namespace, data: datasets.Datase
     if args.laplace_prior == "marglik":
         guide.optimize_prior_precision("marglik")
     draws = guide.get_posterior().sample((args.samples,)).to(data.x_train.dtype)
-    mean, var = linearized_predictive(guide, data.x_test)
+    pred = linearized_predictive(guide, data.x_test)
+    mean, var = pred.mean, pred.variance
     return draws, (mean[:, 0].float()[None], var[:, 0].float()[None])  # one mixture component
 
 
