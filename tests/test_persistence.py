@@ -111,7 +111,7 @@ class TestDenseSubspace(PersistenceContract):
 
     def outputs(self, sub):
         t = torch.tensor([[0.5, -1.0, 2.0], [1.0, 0.0, -0.25]])
-        return sub.weights(t), sub.transpose_apply(torch.arange(9.0)), sub.is_index
+        return sub.weights(t), sub.transpose_apply(torch.arange(9.0)), sub.kind
 
 
 class TestIndexSubspace(TestDenseSubspace):
