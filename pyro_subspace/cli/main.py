@@ -62,7 +62,3 @@ def main(argv: list[str] | None = None) -> int:
     """Console-script entry point (``pyro_subspace.cli:main``): exit status 0 on success."""
     execute(argv)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
