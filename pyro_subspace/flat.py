@@ -5,7 +5,13 @@ parameters: ``torch.func.functional_call`` does the work, buffers (BatchNorm run
 are passed through unchanged, and a batch of weight vectors ``(..., D)`` is evaluated at once with
 ``torch.func.vmap``. The flat order is that of
 ``torch.nn.utils.parameters_to_vector(net.parameters())``: every `Subspace`, index and basis in
-this library refers to positions in it.
+this library refers to positions in it. `FlatNet.evaluate` takes a dict of some parameters (and
+buffers, one set per draw if wanted) instead; `FlatNet.recompute_batchnorm` sets BatchNorm's
+statistics to those of given data at given weights.
+
+`preserved` is the library's one state restorer: it saves every module's train/eval flag (and
+optionally every buffer) and puts them back on any exit, exceptions included; `eval_mode` and
+`train_mode` are built on it.
 """
 
 from __future__ import annotations
@@ -129,12 +135,12 @@ class FlatNet:
         """
         batch = self._batch_shape(params)
         buffers = {} if buffers is None else dict(buffers)
-        if not batch:
-            return functional_call(self.net, {**params, **buffers}, (x,))
         own = dict(self.net.named_buffers()) if buffers else {}
-        for name, value in buffers.items():
+        for name in buffers:
             if name not in own:
                 raise ValueError(f"buffers: the network has no buffer named {name!r}")
+        if not batch:
+            return functional_call(self.net, {**params, **buffers}, (x,))
         per_draw = {k: v for k, v in buffers.items() if v.dim() > own[k].dim()}
         shared = {k: v for k, v in buffers.items() if k not in per_draw}
         size = math.prod(batch)

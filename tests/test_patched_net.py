@@ -6,6 +6,7 @@ Bernoulli/uniform laws with binomial tolerances, the overhead against the paper'
 (section 3.3), ECE/MCE against a hand computation (appendix D.2).
 """
 
+import copy
 import itertools
 import math
 
@@ -18,6 +19,7 @@ from torch import nn
 from torch.func import functional_call
 
 from pyro_subspace import PatchedNet, datasets, likelihoods, metrics
+from pyro_subspace.flat import preserved
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -406,9 +408,12 @@ def test_batchnorm_eval_predictions_are_sensible_without_variance_shift(mode):
     assert metrics.accuracy(probs, data.y_test) > 0.85
     assert metrics.categorical_nll(probs, data.y_test) < 0.6
     # eval mode (running statistics) agrees with train mode (batch statistics) on the test set
-    model.train()
-    probs_train = model.predictive_mean(data.x_test, 50)
-    model.eval()
+    d = model.sample_weights(50)
+    with torch.no_grad(), preserved(model.net, buffers=True):
+        model.train()  # predictive_mean always runs in eval mode: the batch-statistics outputs
+        out = model.outputs({s.name: d[s.site] for s in model.slots}, data.x_test)
+        model.eval()
+    probs_train = out.softmax(-1).mean(0)
     assert (probs.argmax(1) == probs_train.argmax(1)).double().mean() > 0.95
     # no variance shift: each BN's running variance is the variance of its inputs under the
     # variational draws at test time (what dropout's deterministic test pass breaks)
@@ -560,3 +565,35 @@ def test_bad_call_arguments():
         model.sample_outputs(torch.full((2, 3), float("nan")))
     with pytest.raises(ValueError, match="num_data"):
         model(x, y, num_data=3)
+
+
+def test_predictive_mean_after_fit_runs_in_eval_mode_and_restores_the_modes():
+    """Right after `fit`, `predictive_mean` uses the BatchNorm running statistics (eval mode),
+    leaves them unchanged and puts back the user's modes; the numbers equal a hand evaluation
+    of a copy of the net in eval mode at the same draws."""
+    x, y = toy_batch(n=40)
+    model = PatchedNet(small_bn_net(), likelihoods.Categorical(), mode="ecmp", sigma=0.01)
+    model.net[3].eval()  # a mixed mode the user chose; fit trains in train mode, then restores
+    modes = [m.training for m in model.net.modules()]
+    model.fit(x, y, epochs=3, batch_size=16, seed=0)
+    assert [m.training for m in model.net.modules()] == modes and model.training
+    assert int(model.net[1].num_batches_tracked) == 9  # fit ran in train mode: 3 x 3 batches
+    saved = [b.clone() for b in model.net.buffers()]
+    torch.manual_seed(5)
+    probs = model.predictive_mean(x, 7)
+    assert [m.training for m in model.net.modules()] == modes and model.training
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.net.buffers()))
+    torch.manual_seed(5)  # the same draws again
+    draws = model.sample_weights(7)
+    reference = copy.deepcopy(model.net).eval()
+    expected = []
+    with torch.no_grad():
+        for i in range(7):
+            for s in model.slots:
+                reference.get_parameter(s.name).copy_(draws[s.site][i])
+            expected.append(F.softmax(reference(x), dim=-1))
+    torch.testing.assert_close(probs, torch.stack(expected).mean(0))
+    model.train()  # and not what train mode (batch statistics) would give
+    with torch.no_grad(), preserved(model.net, buffers=True):
+        train_out = model.outputs({s.name: draws[s.site] for s in model.slots}, x)
+    assert not torch.allclose(train_out.softmax(-1).mean(0), probs, atol=1e-3)
