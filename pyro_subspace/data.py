@@ -70,7 +70,3 @@ class DataSource:
         """The input chunks only."""
         for xc, _ in self:
             yield xc
-
-    def first(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The first chunk (to probe output shapes)."""
-        return next(iter(self))

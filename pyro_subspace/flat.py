@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -188,7 +188,7 @@ class FlatNet:
     def recompute_batchnorm(
         self,
         w: torch.Tensor | Mapping[str, torch.Tensor],
-        x: torch.Tensor,
+        x: torch.Tensor | Iterable[torch.Tensor],
         chunk_size: int | None = None,
     ) -> None:
         """Set every BatchNorm layer's running statistics to those of the data ``x`` at ``w``.
@@ -203,7 +203,8 @@ class FlatNet:
 
         Args:
             w: flat weights ``(D,)`` or a ``{parameter name: tensor}`` dict (as `evaluate`).
-            x: data ``(N, *in_shape)``.
+            x: data ``(N, *in_shape)``, or an iterable of such chunks (streamed data; then
+                ``chunk_size`` is not used).
             chunk_size: rows per pass.
         """
         if chunk_size is not None and (
@@ -214,17 +215,18 @@ class FlatNet:
         if not bn:
             return
         params = self.unflatten(w) if isinstance(w, torch.Tensor) else dict(w)
-        n = x.shape[0]
-        step = n if chunk_size is None else chunk_size
+        if isinstance(x, torch.Tensor):
+            x = x.split(x.shape[0] if chunk_size is None else chunk_size)
         momenta = [m.momentum for m in bn]
         with torch.no_grad(), train_mode(self.net):
             try:
                 for m in bn:
                     m.reset_running_stats()
-                for i in range(0, n, step):
-                    chunk = x[i : i + step]
-                    for m in bn:
-                        m.momentum = chunk.shape[0] / (i + chunk.shape[0])
+                seen = 0
+                for chunk in x:
+                    seen += chunk.shape[0]
+                    for m in bn:  # a cumulative average over the chunks, weighted by size
+                        m.momentum = chunk.shape[0] / seen
                     self.evaluate(params, chunk)
             finally:
                 for m, momentum in zip(bn, momenta, strict=True):

@@ -159,3 +159,27 @@ class TestAllWeightsDiag(_GuideContract):
 
 class TestSubnetworkFull(_GuideContract):
     subset = torch.tensor([0, 5, 9, 40, 60])
+
+
+def test_a_dataloader_gives_the_fit_of_the_tensors():
+    """The evaluator streams a DataLoader chunk by chunk; the MAP, curvature and evidence equal
+    those of the in-memory tensors (same sums, other chunking: float64 rounding only)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    net, x, y = _classifier()
+    a = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=2.0).fit(x, y)
+    loader = DataLoader(TensorDataset(x, y), batch_size=7)
+    b = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=2.0).fit(loader)
+    c = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=2.0).fit(
+        TensorDataset(x, y)
+    )
+    for other in (b, c):
+        assert torch.allclose(other.loc, a.loc, rtol=1e-9, atol=1e-12)
+        assert torch.allclose(other.ggn, a.ggn, rtol=1e-10)
+        assert float(other.log_marginal_likelihood()) == pytest.approx(
+            float(a.log_marginal_likelihood()), rel=1e-10
+        )
+    with pytest.raises(ValueError, match="y: give either"):
+        Laplace(net, likelihoods.Categorical(), "last_layer").fit(loader, y)
+    with pytest.raises(TypeError, match="x: expected"):
+        Laplace(net, likelihoods.Categorical(), "last_layer").fit([1, 2], y)

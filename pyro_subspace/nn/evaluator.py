@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch.func import functional_call
 
 from ..curvature import ggn_from_blocks
 from ..data import DataSource
@@ -43,11 +42,24 @@ class Evaluator:
         net = model.flat.net
         self._bn = [m for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         self._saved = None
+        self._validated: list | None = None  # in-memory data: validated once, then reused
         if recompute_bn and self._bn:
             self._saved = [(b, b.detach().clone()) for b in net.buffers()]
 
     def chunks(self):
-        """``(x_c, y_c)`` with the targets validated for the likelihood."""
+        """``(x_c, y_c)`` with the targets validated for the likelihood (once for in-memory
+        tensors; streamed sources are validated chunk by chunk as they arrive)."""
+        if self._validated is not None:
+            yield from self._validated
+            return
+        validated = [] if self.data.loader is None else None
+        for pair in self._validate():
+            if validated is not None:
+                validated.append(pair)
+            yield pair
+        self._validated = validated
+
+    def _validate(self):
         model = self.model
         probe = None
         for xc, yc in self.data:
@@ -124,27 +136,11 @@ class Evaluator:
                     buf.copy_(saved)
 
     def _refresh_batchnorm(self, t: torch.Tensor) -> None:
-        """Recompute BatchNorm running statistics at ``w = ŵ + P t`` over the inputs."""
-        model = self.model
-        net = model.flat.net
-        params = model.flat.unflatten(model.subspace.weights(t))
-        momenta = [m.momentum for m in self._bn]
-        for m in self._bn:
-            m.reset_running_stats()
-        modes = [(m, m.training) for m in net.modules()]
+        """Recompute BatchNorm running statistics at ``w = ŵ + P t`` over the inputs
+        (`FlatNet.recompute_batchnorm`, streamed chunk by chunk); on failure the user's buffers
+        are put back."""
         try:
-            net.train()
-            seen = 0
-            for chunk in self.data.inputs():
-                seen += chunk.shape[0]
-                for m in self._bn:  # average over chunks weighted by their sizes
-                    m.momentum = chunk.shape[0] / seen
-                functional_call(net, {**params, **dict(net.named_buffers())}, (chunk,))
+            self.model.flat.recompute_batchnorm(self.model.subspace.weights(t), self.data.inputs())
         except BaseException:
             self.restore()
             raise
-        finally:
-            for m, momentum in zip(self._bn, momenta):
-                m.momentum = momentum
-            for m, training in modes:
-                m.training = training

@@ -83,9 +83,7 @@ def Laplace(  # noqa: N802 (a factory named like laplace-torch's)
             f"subset_of_weights: expected one of {SUBSETS}, flat indices or a Subspace, "
             f"got {subset_of_weights!r}"
         )
-    bad = isinstance(prior_precision, bool) or not isinstance(prior_precision, (int, float))
-    if bad or not 0 < prior_precision < math.inf:
-        raise ValueError(f"prior_precision: expected a positive number, got {prior_precision!r}")
+    _check_lambda(prior_precision)
     model = SubspaceNet(
         net, sub, likelihood, prior_scale=1.0,
         temperature=check_temperature(temperature), prior_mean="zero",
@@ -120,9 +118,7 @@ class DiagonalLaplace(AutoSubspaceLaplace):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
         check_likelihood(likelihood)
-        bad = isinstance(prior_precision, bool) or not isinstance(prior_precision, (int, float))
-        if bad or not 0 < prior_precision < math.inf:
-            raise ValueError(f"prior_precision: expected a positive number, got {prior_precision!r}")
+        _check_lambda(prior_precision)
         model = SubspaceNet(
             net, all_weights(net), likelihood, prior_scale=1.0,
             temperature=check_temperature(temperature), prior_mean="zero",
@@ -163,6 +159,12 @@ class DiagonalLaplace(AutoSubspaceLaplace):
     def moments(self, x: torch.Tensor, chunk_size: int | None = None):
         """``f(x, ŵ)`` ``(N, O)`` and ``J diag(v) Jᵀ`` ``(N, O, O)``, float64."""
         return linearized_moments(self, x, chunk_size=chunk_size)
+
+
+def _check_lambda(prior_precision: object) -> None:
+    bad = isinstance(prior_precision, bool) or not isinstance(prior_precision, (int, float))
+    if bad or not 0 < prior_precision < math.inf:
+        raise ValueError(f"prior_precision: expected a positive number, got {prior_precision!r}")
 
 
 __all__ = ["SUBSETS", "DiagonalLaplace", "Laplace", "LastLayerSubspace", "all_weights"]
