@@ -39,7 +39,7 @@ import pyro
 import torch
 from torch import nn
 
-from pyro_subspace import SubspaceNet, datasets, fit_map, likelihoods, metrics, subspaces
+from pyro_subspace import SubspaceNet, infer, datasets, fit_map, likelihoods, metrics, subspaces
 from pyro_subspace.curvature import ggn_diagonal
 from pyro_subspace.flat import FlatNet, num_weights
 from pyro_subspace.infer import AutoSubspaceLaplace, DiagonalLaplace, linearized_predictive
@@ -101,6 +101,12 @@ def laplace(net, lik, x, y, subspace, prior_precision):
 # mean negative log-likelihood plus `wd/2 ‖w‖²`, i.e. the posterior with prior precision
 # `λ = N·wd` — the same `λ` the Laplace approximations use (prior centred at zero weights).
 
+# %% [markdown]
+# Coming from laplace-torch? `infer.Laplace(net, likelihood, subset_of_weights, hessian_structure,
+# prior_precision)` builds the same guide in one line (a Pyro autoguide: `Predictive(la.model,
+# guide=la)` works). Below, `laplace(...)` spells the subspace out; the front door gives the same
+# posterior, which the cell after the fits checks.
+
 # %%
 data = datasets.in_between(n=100, seed=0)
 n = data.x_train.shape[0]
@@ -141,6 +147,10 @@ approximations = {
     f"subnet {SUBNET_TOY}, SWAG pick": laplace(net, lik, x, y, by_swag, lam),
     f"full ({d})": full,
 }
+front = infer.Laplace(net, lik, "last_layer", "full", prior_precision=lam).fit(x, y, find_map=False)
+same = torch.allclose(front.covariance, approximations["last layer (51)"].covariance, rtol=1e-8)
+assert same, "infer.Laplace and the explicit last-layer subspace disagree"
+print("infer.Laplace(..., 'last_layer') gives the same covariance as the explicit subspace")
 
 # %%
 with torch.no_grad():
