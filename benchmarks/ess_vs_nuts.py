@@ -149,12 +149,10 @@ def memory_child(chunk: int) -> None:
     net = toy_net(2)
     model = SubspaceNet(net, subspaces.random(net, 10, seed=0), likelihoods.Gaussian(0.1))
     x, y = torch.randn(200_000, 2), torch.randn(200_000)
-    kernel = EllipticalSliceSampler(model, chunk_size=chunk)
-    kernel.setup(0, x[:10], y[:10])  # cheap set-up, then the full data through the same path
-    kernel._args = (x, y)
-    loglik = kernel._subspace_loglik()
+    # the kernel's likelihood path: the model's full-data evaluator, in chunks
+    loglik, _ = model.log_likelihood_fn(x, y, chunk_size=chunk)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    loglik(torch.zeros(10))
+    loglik({"t": torch.zeros(10)})
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print((after - before) / 1024)
 
