@@ -1,5 +1,6 @@
 """Shared test set-up: fixed seeds, a clean param store and Pyro's validation for every test."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,16 @@ import torch
 
 # benchmarks/ (paper protocols, OOD constructions) is not installed: its tests import it from here
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def pytest_configure(config):
+    """The test run pins torch to one thread (override with PYRO_SUBSPACE_TEST_THREADS=n).
+
+    The suite's networks are small; on a shared 2-core machine torch's default of two
+    threads made a small-net step up to 17x slower than one thread, and the suite's time
+    then depended on whoever else was running.
+    """
+    torch.set_num_threads(int(os.environ.get("PYRO_SUBSPACE_TEST_THREADS", "1")))
 
 
 @pytest.fixture(autouse=True)
