@@ -20,6 +20,7 @@ from pyro.distributions import MultivariateNormal, Normal
 from pyro.nn import PyroModule
 from torch import nn
 
+from .. import _checks
 from ..data import DataSource
 from ..flat import FlatNet, eval_mode
 from ..likelihoods import Likelihood, check_temperature
@@ -205,6 +206,7 @@ class SubspaceNet(PyroModule):
         recompute_bn: bool = False,
     ) -> Evaluator:
         """The full-data `Evaluator` over ``(x, y)`` tensors, a ``Dataset`` or a ``DataLoader``."""
+        self.check_data(x, y)
         return Evaluator(self, DataSource(x, y, chunk_size), recompute_bn=recompute_bn)
 
     def log_likelihood_fn(
@@ -219,11 +221,18 @@ class SubspaceNet(PyroModule):
         """For a likelihood-only kernel (elliptical slice): given this model's call arguments,
         ``(fn, restore)`` with ``fn({"t": t}) -> log p(D | t)/T`` over the whole data set in
         chunks (``subsample_size`` ignored) and ``restore()`` putting back BatchNorm buffers."""
-        check_data(x, y)
+        self.check_data(x, y)
         if y is None:  # no observations: the posterior is the prior
             return (lambda params: 0.0), (lambda: None)
         ev = self.evaluator(x, y, chunk_size, recompute_bn)
         return (lambda params: ev.log_likelihood(params["t"])), ev.restore
+
+    def check_data(self, x: object, y: object = None) -> int:
+        """Check inputs ``(N, ...)`` and targets against the network, the subspace's dtype and
+        the likelihood before any evaluation (`_checks.check_data`); return ``N``."""
+        return _checks.check_data(
+            self.flat.net, x, y, self.likelihood, dtype=self.subspace.shift.dtype
+        )
 
     def outputs(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Network outputs at ``w = ŵ + P t``.
@@ -245,7 +254,7 @@ class SubspaceNet(PyroModule):
     def forward(
         self, x: torch.Tensor, y: torch.Tensor | None = None, subsample_size: int | None = None
     ) -> torch.Tensor:
-        n = check_data(x, y)
+        n = self.check_data(x, y)
         size = _check_subsample(subsample_size) or self.subsample_size
         if size is not None and size > n:
             raise ValueError(f"subsample_size: {size} exceeds the number of data points {n}")

@@ -1,0 +1,333 @@
+"""Argument checks at the public boundary: one place, one wording.
+
+Every public entry point validates its arguments here before any work, so a bad value gets a
+``TypeError`` (wrong kind) or ``ValueError`` (right kind, wrong value) whose message starts with
+the argument's name, says what was expected, what was received and, where there is one, the fix.
+
+- scalars: `check_int` (`positive_int`, `nonneg_int`), `positive_float`, `probability`, `choice`;
+- tensors: `check_tensor`;
+- data against a network: `check_data` (width, ndim, dtype, device, finiteness, and the targets
+  against the likelihood), read from the network's structure, never by calling it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+import torch
+from torch import nn
+
+# ------------------------------------------------------------------------------------ scalars
+
+
+def check_int(
+    value: object, name: str, minimum: int = 1, maximum: int | None = None, allow_none: bool = False
+) -> int | None:
+    """``value`` as an int in ``[minimum, maximum]`` (``None`` passes with ``allow_none``)."""
+    if value is None and allow_none:
+        return None
+    what = f"an int >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+    if allow_none:
+        what += " or None"
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name}: expected {what}, got {value!r} ({type(value).__name__})")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(f"{name}: expected {what}, got {value}")
+    return int(value)
+
+
+def positive_int(value: object, name: str, allow_none: bool = False) -> int | None:
+    """``value`` as an int ``>= 1``."""
+    return check_int(value, name, 1, allow_none=allow_none)
+
+
+def nonneg_int(value: object, name: str, allow_none: bool = False) -> int | None:
+    """``value`` as an int ``>= 0``."""
+    return check_int(value, name, 0, allow_none=allow_none)
+
+
+def positive_float(
+    value: object, name: str, allow_zero: bool = False, allow_none: bool = False
+) -> float | None:
+    """``value`` as a finite float ``> 0`` (``>= 0`` with ``allow_zero``)."""
+    if value is None and allow_none:
+        return None
+    what = "a finite number " + (">= 0" if allow_zero else "> 0")
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name}: expected {what}, got {value!r} ({type(value).__name__})")
+    ok = value >= 0 if allow_zero else value > 0
+    if not math.isfinite(value) or not ok:
+        raise ValueError(f"{name}: expected {what}, got {value!r}")
+    return float(value)
+
+
+def probability(value: object, name: str) -> float:
+    """``value`` as a float in the open interval ``(0, 1)``."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name}: expected a float in (0, 1), got {value!r}")
+    if not 0 < value < 1:  # also rejects NaN
+        raise ValueError(f"{name}: expected a float in the open interval (0, 1), got {value!r}")
+    return float(value)
+
+
+def choice(value: object, name: str, options: Iterable[object]) -> object:
+    """``value`` if it is one of ``options``."""
+    options = tuple(options)
+    try:
+        ok = value in options
+    except TypeError:  # unhashable / incomparable
+        ok = False
+    if not ok or isinstance(value, bool) and not any(o is value for o in options):
+        raise ValueError(f"{name}: expected one of {options}, got {value!r}")
+    return value
+
+
+def check_tensor(
+    value: object,
+    name: str,
+    *,
+    floating: bool | None = None,
+    ndim: int | tuple[int, ...] | None = None,
+    nonempty: bool = True,
+    finite: bool = True,
+) -> torch.Tensor:
+    """``value`` if it is a tensor of the given kind (``floating`` True: float, False: integer),
+    number of dimensions, non-empty and finite."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if floating is True and not value.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {value.dtype}")
+    if floating is False and (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+        raise TypeError(f"{name}: expected an integer tensor, got dtype {value.dtype}")
+    if ndim is not None:
+        dims = (ndim,) if isinstance(ndim, int) else ndim
+        if value.dim() not in dims:
+            raise ValueError(f"{name}: expected {ndim} dimension(s), got shape {tuple(value.shape)}")
+    if nonempty and value.numel() == 0:
+        raise ValueError(f"{name}: expected a non-empty tensor, got shape {tuple(value.shape)}")
+    if finite and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        raise ValueError(f"{name}: contains NaN or inf; remove or impute those entries")
+    return value
+
+
+# ------------------------------------------------------------------------ data vs. network
+
+#: modules that keep the shape of their input: skipped when reading a net's first/last layer.
+_SHAPE_KEEPING = (
+    nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+    nn.ReLU, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh,
+    nn.Sigmoid, nn.Softplus, nn.Hardtanh, nn.ReLU6, nn.PReLU, nn.Softmax, nn.LogSoftmax,
+)
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+@dataclass
+class NetSpec:
+    """What a network takes and gives, read from its structure (``None``: unknown)."""
+
+    dtype: torch.dtype | None
+    device: torch.device | None
+    in_kind: str | None = None  # "linear", "conv", "norm", "flatten", "embedding"
+    in_width: int | None = None  # features (linear), channels (conv/norm), flattened size
+    in_ndim: int | None = None  # exact ndim of x (conv), or None
+    out_width: int | None = None
+
+
+def _leaves(net: nn.Module) -> list[nn.Module]:
+    """The layers of a (nested) ``nn.Sequential`` in call order; ``[]`` for other modules,
+    whose call order their structure does not tell."""
+    if not isinstance(net, nn.Sequential):
+        return []
+    out: list[nn.Module] = []
+    for m in net:
+        if isinstance(m, nn.Sequential):
+            sub = _leaves(m)
+            if not sub:
+                return out + [m]
+            out += sub
+        else:
+            out.append(m)
+    return out
+
+
+def net_spec(net: nn.Module) -> NetSpec:
+    """The `NetSpec` of ``net``: dtype and device of its first floating parameter; input and
+    output widths when ``net`` is an ``nn.Sequential`` starting/ending with a known layer."""
+    p = next((p for p in net.parameters() if p.is_floating_point()), None)
+    spec = NetSpec(p.dtype if p is not None else None, p.device if p is not None else None)
+    layers = [m for m in _leaves(net) if not isinstance(m, _SHAPE_KEEPING)]
+    if not layers:
+        return spec
+    first = layers[0]
+    if isinstance(first, nn.Linear) and not isinstance(first, nn.LazyLinear):
+        spec.in_kind, spec.in_width = "linear", first.in_features
+    elif isinstance(first, _CONVS) and not isinstance(first, nn.modules.lazy.LazyModuleMixin):
+        spec.in_kind, spec.in_width = "conv", first.in_channels
+        spec.in_ndim = {nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5}[type(first)]
+    elif isinstance(first, _NORMS) and first.num_features:
+        spec.in_kind, spec.in_width = "norm", first.num_features
+        spec.in_ndim = {nn.BatchNorm2d: 4, nn.BatchNorm3d: 5}.get(type(first))
+    elif isinstance(first, nn.Embedding):
+        spec.in_kind = "embedding"
+    elif isinstance(first, nn.Flatten) and first.start_dim == 1 and first.end_dim == -1:
+        nxt = layers[1] if len(layers) > 1 else None
+        if isinstance(nxt, nn.Linear) and not isinstance(nxt, nn.LazyLinear):
+            spec.in_kind, spec.in_width = "flatten", nxt.in_features
+    last = layers[-1]
+    if isinstance(last, nn.Linear) and not isinstance(last, nn.LazyLinear):
+        spec.out_width = last.out_features
+    return spec
+
+
+def _fix_dtype(x_dtype: torch.dtype, net_dtype: torch.dtype) -> str:
+    cast = {torch.float32: "x.float()", torch.float64: "x.double()", torch.float16: "x.half()"}
+    net_cast = {torch.float32: "net.float()", torch.float64: "net.double()"}
+    fix = cast.get(net_dtype, f"x.to({net_dtype})")
+    if x_dtype in net_cast:
+        fix += f" or {net_cast[x_dtype]}"
+    return fix
+
+
+def check_inputs(
+    net: nn.Module | None,
+    x: object,
+    name: str = "x",
+    spec: NetSpec | None = None,
+    dtype: torch.dtype | None = None,
+) -> int:
+    """Check inputs ``x`` ``(N, ...)`` against ``net`` (if given) and return ``N``.
+
+    Raises ``TypeError`` for a non-tensor or a dtype the network cannot take and ``ValueError``
+    for an empty or non-finite ``x``, another device, or a width/ndim the network does not take.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor of shape (N, ...), got {type(x).__name__}")
+    if x.dim() == 0 or x.shape[0] == 0:
+        raise ValueError(f"{name}: expected at least one input row (N, ...), got shape {tuple(x.shape)}")
+    if x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"{name}: expected real-valued inputs, got dtype {x.dtype}; call {name}.float()")
+    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name}: contains NaN or inf; remove or impute those rows")
+    if net is None:
+        return x.shape[0]
+    spec = net_spec(net) if spec is None else spec
+    if dtype is not None:  # the weights the network is evaluated at (a subspace's dtype)
+        spec.dtype = dtype
+    if spec.device is not None and x.device != spec.device:
+        raise ValueError(
+            f"{name}: is on {x.device} but the network is on {spec.device}; "
+            f"call {name}.to({str(spec.device)!r}) or net.to({str(x.device)!r})"
+        )
+    if spec.in_kind == "embedding":
+        if x.is_floating_point():
+            raise TypeError(f"{name}: the network starts with an Embedding and needs integer "
+                            f"indices, got dtype {x.dtype}; call {name}.long()")
+        return x.shape[0]
+    if spec.dtype is not None and x.dtype != spec.dtype:
+        if x.is_floating_point() or spec.in_kind is not None:
+            raise TypeError(
+                f"{name}: is {str(x.dtype).replace('torch.', '')} but the network is "
+                f"{str(spec.dtype).replace('torch.', '')}: call {_fix_dtype(x.dtype, spec.dtype)}"
+            )
+    shape = tuple(x.shape)
+    if spec.in_kind == "linear":
+        w = spec.in_width
+        if x.dim() == 1:
+            fix = f"{name}.unsqueeze(-1)" if w == 1 else f"{name}.reshape(-1, {w})"
+            raise ValueError(f"{name}: is 1-D {shape} but the network takes (N, {w}); call {fix}")
+        if x.shape[-1] != w:
+            raise ValueError(
+                f"{name}: has {x.shape[-1]} features (shape {shape}) but the network's first "
+                f"layer takes {w}; pass inputs of shape (N, {w})"
+            )
+    elif spec.in_kind in ("conv", "norm"):
+        if spec.in_ndim is not None and x.dim() != spec.in_ndim:
+            raise ValueError(
+                f"{name}: expected {spec.in_ndim} dimensions (N, {spec.in_width}, ...) for the "
+                f"network's first layer, got shape {shape}"
+            )
+        if x.dim() < 2 or x.shape[1] != spec.in_width:
+            raise ValueError(
+                f"{name}: expected {spec.in_width} channels in dimension 1 "
+                f"(N, {spec.in_width}, ...), got shape {shape}"
+            )
+    elif spec.in_kind == "flatten":
+        if x.dim() < 2 or math.prod(shape[1:]) != spec.in_width:
+            raise ValueError(
+                f"{name}: each row must flatten to {spec.in_width} values for the network, got "
+                f"shape {shape}"
+            )
+    return x.shape[0]
+
+
+def check_data(
+    net: nn.Module | None,
+    x: object,
+    y: object = None,
+    likelihood: object = None,
+    *,
+    x_name: str = "x",
+    y_name: str = "y",
+    require_y: bool = False,
+    dtype: torch.dtype | None = None,
+) -> int:
+    """Check a data set ``(x, y)`` against ``net`` and ``likelihood`` once; return ``N``.
+
+    ``x`` ``(N, ...)`` must suit the network's first layer (width, ndim, dtype, device) and be
+    finite; ``y`` must hold ``N`` finite targets of the type and shape the likelihood takes for the
+    network's output width. A ``torch.utils.data.Dataset`` is checked on its first item; a
+    ``DataLoader`` is read lazily by the caller and not checked here.
+    """
+    from torch.utils.data import DataLoader, Dataset
+
+    if isinstance(x, DataLoader):
+        return len(x.dataset)
+    if isinstance(x, Dataset):
+        if y is not None:
+            raise ValueError(f"{y_name}: give either a Dataset/DataLoader or (x, y) tensors, not both")
+        try:
+            n = len(x)
+        except TypeError:
+            return 0
+        if n == 0:
+            raise ValueError(f"{x_name}: the Dataset is empty")
+        item = x[0]
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ValueError(f"{x_name}: the Dataset must yield (x_n, y_n) pairs")
+        xn, yn = item
+        if isinstance(xn, torch.Tensor) and isinstance(yn, torch.Tensor):
+            check_data(net, xn.unsqueeze(0), yn.unsqueeze(0), likelihood, x_name=x_name,
+                       y_name=y_name, dtype=dtype)
+        return n
+    spec = net_spec(net) if net is not None else None
+    n = check_inputs(net, x, x_name, spec, dtype)
+    if y is None:
+        if require_y:
+            raise ValueError(f"{y_name}: targets are needed here, got None")
+        return n
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"{y_name}: expected a torch.Tensor of {n} targets, got {type(y).__name__}")
+    if y.dim() == 0 or y.shape[0] != n:
+        raise ValueError(f"{y_name}: expected {n} targets to match {x_name}, got shape {tuple(y.shape)}")
+    if y.is_complex():
+        raise TypeError(f"{y_name}: expected real targets, got dtype {y.dtype}")
+    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+        raise ValueError(f"{y_name}: contains NaN or inf; remove or impute those rows")
+    if spec is not None and spec.device is not None and y.device != spec.device:
+        raise ValueError(f"{y_name}: is on {y.device} but the network is on {spec.device}; "
+                         f"call {y_name}.to({str(spec.device)!r})")
+    if likelihood is not None:
+        o = spec.out_width if spec is not None else None
+        if o is not None:
+            like = torch.zeros((), dtype=spec.dtype or torch.float32, device=y.device)
+            # a zero-memory stand-in for the outputs (N, O): the likelihood checks the targets
+            likelihood.validate(like.expand(n, o), y)
+        elif y.dim() == 1 or (y.dim() == 2 and y.shape[1] == 1):
+            likelihood.prepare_target(y, n)
+    return n
