@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import _checks as ck
 from .flat import eval_mode, train_mode
 from .likelihoods import Likelihood
 from .minibatch import minibatch_loop, shuffle_generator
@@ -60,31 +61,17 @@ def fit_map(
         raise TypeError(
             f"likelihood: expected a pyro_subspace Likelihood, got {type(likelihood).__name__}"
         )
-    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] < 1:
-        raise ValueError(
-            f"x: expected a tensor of shape (N, ...) with N >= 1, got {getattr(x, 'shape', x)!r}"
-        )
-    if x.is_floating_point() and not torch.isfinite(x).all():
-        raise ValueError("x: contains NaN or inf")
-    n = x.shape[0]
+    ck.nonneg_int(epochs, "epochs"), ck.nonneg_int(swa_epochs, "swa_epochs")
+    ck.positive_float(lr, "lr"), ck.positive_float(swa_lr, "swa_lr", allow_none=True)
+    ck.positive_float(weight_decay, "weight_decay", allow_zero=True)
+    ck.positive_float(momentum, "momentum", allow_zero=True)
+    ck.positive_int(batch_size, "batch_size", allow_none=True)
+    ck.choice(optimizer, "optimizer", ("adam", "sgd"))
+    n = ck.check_data(net, x, y, likelihood, require_y=True)
     with torch.no_grad(), eval_mode(net):
         probe = net(x[:1])  # only the output width is needed to check the targets
     probe = probe.unsqueeze(-1) if probe.dim() == 1 else probe
     y = likelihood.validate(probe.new_zeros(n, *probe.shape[1:]), y)
-    for name, value, low in (("epochs", epochs, 0), ("swa_epochs", swa_epochs, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
-    for name, value in (("lr", lr), ("swa_lr", lr if swa_lr is None else swa_lr)):
-        if not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{name}: expected a positive number, got {value!r}")
-    if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
-        raise ValueError(f"weight_decay: expected a number >= 0, got {weight_decay!r}")
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-    ):
-        raise ValueError(f"batch_size: expected a positive int or None, got {batch_size!r}")
-    if optimizer not in ("adam", "sgd"):
-        raise ValueError(f"optimizer: expected 'adam' or 'sgd', got {optimizer!r}")
     if swa_epochs > 0:
         if not isinstance(collector, SWACollector):
             raise ValueError("collector: swa_epochs > 0 needs a SWACollector built on this net")

@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import _checks as ck
 from ..flat import FlatNet, eval_mode, preserved
-from ..likelihoods import Likelihood
+from ..likelihoods import Likelihood, check_likelihood
 from ..minibatch import minibatch_loop, shuffle_generator
 from .base import Subspace
 
@@ -132,6 +133,12 @@ def fit_curve(
     Returns:
         ``θ``, shape ``(D,)``; the curve passes through ``w0`` (s = 0) and ``w1`` (s = 1) exactly.
     """
+    check_likelihood(likelihood)
+    ck.check_tensor(w0, "w0", floating=True), ck.check_tensor(w1, "w1", floating=True)
+    ck.positive_int(epochs, "epochs"), ck.positive_float(lr, "lr")
+    ck.positive_int(batch_size, "batch_size", allow_none=True)
+    ck.positive_float(weight_decay, "weight_decay", allow_zero=True)
+    ck.check_data(net, x, y, likelihood, require_y=True, dtype=w0.dtype)
     flat = FlatNet(net, batch_strategy="loop")
     if w0.shape != (flat.num_weights,):
         raise ValueError(

@@ -25,7 +25,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .. import _checks as ck
 from ..flat import FlatNet
+from ..likelihoods import check_likelihood
 from .last_layer import LastLayerSubspace, find_last_layer, last_layer_indices
 from .base import Subspace
 from .pca import SWACollector
@@ -102,10 +104,10 @@ def subnetwork(
             raise ValueError(
                 "likelihood: 'diag_laplace' needs likelihood= and x= (training inputs)"
             )
-        if not prior_precision > 0:
-            raise ValueError(
-                f"prior_precision: expected a positive number, got {prior_precision!r}"
-            )
+        check_likelihood(likelihood)
+        ck.positive_float(prior_precision, "prior_precision")
+        ck.positive_int(chunk_size, "chunk_size", allow_none=True)
+        ck.check_data(net, x)
         from ..curvature import ggn_diagonal
 
         score = 1.0 / (ggn_diagonal(net, likelihood, x, chunk_size) + prior_precision)
@@ -137,9 +139,19 @@ def subnetwork(
     else:
         if indices is None:
             raise ValueError("indices: 'indices' needs indices= (flat positions)")
+        if not isinstance(indices, (torch.Tensor, Sequence)) or isinstance(indices, str):
+            raise TypeError(f"indices: expected integer flat positions, got {indices!r}")
         chosen = torch.as_tensor(indices)
-        if chosen.is_floating_point():
+        if chosen.is_floating_point() or chosen.is_complex() or chosen.dtype == torch.bool:
             raise TypeError("indices: expected integer flat positions")
+        if chosen.dim() != 1 or chosen.numel() == 0:
+            raise ValueError(f"indices: expected a non-empty 1-D list of flat positions, got "
+                             f"shape {tuple(chosen.shape)}")
+        if int(chosen.min()) < 0 or int(chosen.max()) >= d:
+            raise ValueError(f"indices: positions must lie in [0, {d}), got "
+                             f"[{int(chosen.min())}, {int(chosen.max())}]")
+        if chosen.unique().numel() != chosen.numel():
+            raise ValueError("indices: contains duplicate positions; pass each weight once")
     if n_params is not None and not scored and chosen.numel() != n_params:
         raise ValueError(f"n_params: {strategy!r} selects {chosen.numel()} weights, not {n_params}")
     return Subspace(shift, chosen.sort().values.to(shift.device))
