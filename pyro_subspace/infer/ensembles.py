@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .. import _checks
 from ..flat import eval_mode
 from ..likelihoods import Likelihood, check_likelihood
 from ..subspaces import SWACollector
@@ -168,6 +169,9 @@ def train_ensemble(
     if not callable(make_net):
         raise TypeError(f"make_net: expected a callable returning a network, got {make_net!r}")
     check_likelihood(likelihood)
+    _checks.check_data(None, x, y, require_y=True)
+    _checks.check_int(max_snapshots, "max_snapshots", 2)
+    _checks.positive_float(swa_lr, "swa_lr", allow_none=True)
     if seeds is None:
         if isinstance(n_members, bool) or not isinstance(n_members, int) or n_members < 1:
             raise ValueError(f"n_members: expected a positive int, got {n_members!r}")
@@ -238,7 +242,7 @@ class DeepEnsemble(MixturePredictor):
         self, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
         """Uniform weights ``(K,)`` and each member's predictive (module docstring)."""
-        check_inputs(x)
+        check_inputs(x, nets=self.nets)
         outs = []
         with torch.no_grad():
             for net in self.nets:
@@ -272,15 +276,13 @@ def member_predictives(
     return torch.cat(comps)
 
 
-def check_inputs(x: object, name: str = "x") -> int:
-    """Raise unless ``x`` is a tensor ``(N, ...)`` with ``N >= 1`` and finite floats; return N."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor (N, ...), got {type(x).__name__}")
-    if x.dim() == 0 or x.shape[0] == 0:
-        raise ValueError(f"{name}: expected at least one input row, got shape {tuple(x.shape)}")
-    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{name}: contains NaN or inf")
-    return x.shape[0]
+def check_inputs(x: object, name: str = "x", nets: Sequence[nn.Module] = ()) -> int:
+    """Raise unless ``x`` is a finite tensor ``(N, ...)``, ``N >= 1``, that every network in
+    ``nets`` takes (width, dtype, device: `_checks.check_inputs`); return N."""
+    n = _checks.check_inputs(None, x, name)
+    for net in nets:
+        _checks.check_inputs(net, x, name)
+    return n
 
 
 def _check_nets(nets: object) -> list[nn.Module]:

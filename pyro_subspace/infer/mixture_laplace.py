@@ -31,9 +31,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from .. import _checks
 from ..curvature import subspace_jacobians
 from ..flat import eval_mode
-from ..likelihoods import Likelihood
+from ..likelihoods import Likelihood, check_temperature
 from ..nn import SubspaceNet
 from ..subspaces import Subspace, find_last_layer, subnetwork
 from .ensembles import (
@@ -130,6 +131,7 @@ class MixtureOfLaplace(MixturePredictor):
             )
         if prior_mean not in ("zero", "shift"):
             raise ValueError(f"prior_mean: expected 'zero' or 'shift', got {prior_mean!r}")
+        check_temperature(temperature), _checks.positive_int(chunk_size, "chunk_size")
         self.subset = subset
         self.weight_rule = "fixed" if fixed is not None else weights
         self.weights = (
@@ -176,7 +178,8 @@ class MixtureOfLaplace(MixturePredictor):
             x, y = x.x_train, x.y_train
         if y is None:
             raise ValueError("y: the training targets are required with tensor inputs")
-        check_inputs(x)
+        for net, lik in zip(self.nets, self.likelihoods):  # every member, before any work
+            _checks.check_data(net, x, y, lik, require_y=True)
         self.members = []
         for i, (net, lik) in enumerate(zip(self.nets, self.likelihoods)):
             sub = self._subspace(i, net)
@@ -239,7 +242,7 @@ class MixtureOfLaplace(MixturePredictor):
             raise ValueError(f"method: expected 'grid', 'confidence' or 'marglik', got {method!r}")
         if x_val is None or y_val is None:
             raise ValueError(f"x_val, y_val: the {method!r} method needs validation data")
-        check_inputs(x_val, "x_val")
+        check_inputs(x_val, "x_val", nets=self.nets)
         grid = check_grid(grid)
         if method == "confidence":
             if self.is_regression:
@@ -328,7 +331,7 @@ class MixtureOfLaplace(MixturePredictor):
         self._check_fitted()
         if method not in METHODS:
             raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
-        check_inputs(x)
+        check_inputs(x, nets=self.nets)
         if method == "auto":
             method = "closed_form" if self.is_regression else "probit"
         if self.is_regression and method in ("probit", "mc"):
@@ -362,7 +365,7 @@ class MixtureOfLaplace(MixturePredictor):
     def logit_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The output mixture of eq. (8): means ``(K, N, O)`` and covariances ``(K, N, O, O)``."""
         self._check_fitted()
-        check_inputs(x)
+        check_inputs(x, nets=self.nets)
         moments = [self._moments(k, x) for k in range(len(self.members))]
         return torch.stack([m for m, _ in moments]), torch.stack([c for _, c in moments])
 

@@ -145,7 +145,7 @@ class SWAG(MixturePredictor, nn.Module):
         self, x: torch.Tensor, num_samples: int | None = None, seed: int | None = None
     ) -> torch.Tensor:
         """Network outputs at ``S`` weight draws, shape ``(S, N, O)``."""
-        check_inputs(x)
+        check_inputs(x, nets=[self.collector.flat.net])
         w = self.sample_weights(num_samples, seed)
         flat = self.collector.flat
         with torch.no_grad(), eval_mode(flat.net):

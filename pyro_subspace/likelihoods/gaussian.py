@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from pyro.distributions import Distribution, Normal, constraints
 from pyro.nn import PyroParam
 
+from .._checks import choice, positive_float
 from .base import Likelihood
 
 
@@ -38,6 +39,9 @@ class Gaussian(Likelihood):
         min_scale: float = 1e-3,
     ) -> None:
         super().__init__()
+        positive_float(min_scale, "min_scale", allow_zero=True)
+        positive_float(sigma_init, "sigma_init")
+        choice(heteroscedastic, "heteroscedastic", (True, False))
         self.heteroscedastic = bool(heteroscedastic)
         self.min_scale = float(min_scale)
         self.learn_sigma = sigma is None and not self.heteroscedastic

@@ -37,6 +37,7 @@ from ..flat import FlatNet, eval_mode, train_mode
 from ..likelihoods import Likelihood, check_temperature
 from ..minibatch import minibatch_loop, shuffle_generator
 from .patch_family import PatchFamily, drop_data_dim, plate_batch_shape, positive
+from .. import _checks
 from .subspace_net import _check_inputs, check_data
 
 __all__ = ["PatchedNet"]
@@ -265,7 +266,7 @@ class PatchedNet(PyroModule):
         Evaluated in eval mode (BatchNorm uses its running statistics and leaves them
         unchanged); the modes of the model and the net are restored afterwards.
         """
-        _check_inputs(x)
+        _checks.check_data(self.net, x)
         draws = self.sample_weights(num_samples)
         weights = {s.name: draws[s.site] for s in self.slots}
         with eval_mode(self, self.net):
@@ -363,7 +364,7 @@ class PatchedNet(PyroModule):
             `negative_elbo` over ``N`` (the penalty is applied as weight decay); for ``"svi"`` the
             whole ELBO loss over ``N``, which includes the constant ``C``.
         """
-        n = _check_inputs(x)
+        n = _checks.check_data(self.net, x, y, self.likelihood, require_y=True)
         _check_call(x, y, None, None)
         for name, value in (("epochs", epochs), ("batch_size", batch_size)):
             _check_size(value, name)
@@ -420,6 +421,7 @@ class PatchedNet(PyroModule):
         subsample_size: int | None = None,
         num_data: int | None = None,
     ) -> torch.Tensor:
+        _checks.check_data(self.net, x, y, self.likelihood)
         n, size, total = _check_call(x, y, subsample_size or self.subsample_size, num_data)
         like = self._like()
         z = {}

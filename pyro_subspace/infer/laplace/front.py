@@ -14,12 +14,14 @@ import math
 import torch
 from torch import nn
 
+from ... import _checks as ck
 from ...flat import FlatNet
 from ...likelihoods import Likelihood, check_likelihood, check_temperature
 from ...nn import SubspaceNet
 from ...subspaces import IndexSubspace, LastLayerSubspace, Subspace, subnetwork
 from .guide import AutoSubspaceLaplace
 from .predictive import linearized_moments
+from .structures import STRUCTURES
 from .tuning import optimize_prior_precision
 
 SUBSETS = ("all", "last_layer", "subnetwork")
@@ -65,6 +67,8 @@ def Laplace(  # noqa: N802 (a factory named like laplace-torch's)
     if not isinstance(net, nn.Module):
         raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
     check_likelihood(likelihood)
+    _check_lambda(prior_precision), check_temperature(temperature)
+    ck.choice(hessian_structure, "hessian_structure", STRUCTURES), ck.positive_int(chunk_size, "chunk_size")
     if isinstance(subset_of_weights, Subspace):
         sub = subset_of_weights
     elif isinstance(subset_of_weights, torch.Tensor):

@@ -200,6 +200,7 @@ class AutoSubspaceLaplace(AutoContinuous):
             raise ValueError(f"max_iter: expected a positive int, got {max_iter!r}")
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0:
             raise ValueError(f"tol: expected a positive number, got {tol!r}")
+        self.model.check_data(x, y)  # width, dtype, device, NaN, targets: before any work
         data = DataSource(x, y, self.chunk_size)
         has_targets = data.loader is not None or data.y is not None
         if find_map and not has_targets:

@@ -9,8 +9,18 @@ from __future__ import annotations
 
 import torch
 
+from ... import _checks as ck
 from ...flat import FlatNet
 from .guide import AutoSubspaceLaplace
+
+
+def _check_guide(guide: object) -> None:
+    if not isinstance(guide, AutoSubspaceLaplace):
+        raise TypeError(
+            f"guide: expected an AutoSubspaceLaplace (e.g. from infer.Laplace), "
+            f"got {type(guide).__name__}"
+        )
+    guide._check_fitted()
 
 
 def linearized_moments(
@@ -33,11 +43,9 @@ def linearized_moments(
     Returns:
         ``f_mean`` ``(N, O)`` and ``f_cov`` ``(N, O, O)``, float64.
     """
-    guide._check_fitted()
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor (N, ...), got {type(x).__name__}")
-    if x.dim() == 0 or x.shape[0] == 0:
-        raise ValueError(f"x: expected at least one input row, got shape {tuple(x.shape)}")
+    _check_guide(guide)
+    guide.model.check_data(x)
+    ck.positive_int(chunk_size, "chunk_size", allow_none=True)
     model, s = guide.model, guide.structure
     sigma = guide.covariance if covariance is None else covariance
     chunk = guide.chunk_size if chunk_size is None else chunk_size
@@ -79,6 +87,8 @@ def linearized_predictive(
         include_noise: add the observation noise (regression).
         chunk_size: rows per Jacobian block.
     """
+    _check_guide(guide)
+    ck.positive_int(num_samples, "num_samples"), ck.check_int(seed, "seed", 0, allow_none=True)
     lik = guide.likelihood
     link_approx = lik.check_link_approx(link_approx)
     f_mean, f_cov = linearized_moments(
