@@ -22,6 +22,8 @@ from pyro import poutine
 from pyro.infer import MCMC
 from pyro.poutine.subsample_messenger import _Subsample
 
+from ._checks import check_int, positive_int
+
 
 def to_inference_data(
     mcmc: MCMC | None = None,
@@ -59,6 +61,8 @@ def to_inference_data(
             raise ValueError("samples: give either mcmc or samples, not both")
         if not isinstance(mcmc, MCMC):
             raise TypeError(f"mcmc: expected a pyro.infer.MCMC, got {type(mcmc).__name__}")
+        if getattr(mcmc, "_samples", None) is None:
+            raise ValueError("mcmc: has no samples yet; call mcmc.run(...) first")
         grouped = mcmc.get_samples(group_by_chain=True)
         model = model if model is not None else mcmc.kernel.model
         if not args and not kwargs:
@@ -69,8 +73,8 @@ def to_inference_data(
         grouped = _check_samples(samples, group_by_chain)
     else:
         raise ValueError("mcmc: give an MCMC object or samples=... with model=...")
-    if not isinstance(draws_per_chunk, int) or draws_per_chunk < 1:
-        raise ValueError(f"draws_per_chunk: expected a positive int, got {draws_per_chunk!r}")
+    positive_int(draws_per_chunk, "draws_per_chunk")
+    check_int(seed, "seed", 0, allow_none=True)
     if model is None:
         raise ValueError("model: the MCMC kernel has no model; pass model=")
     n_chains, n_draws = next(iter(grouped.values())).shape[:2]

@@ -341,6 +341,12 @@ def from_csv(
     header, rows = [h.strip() for h in header], [r for _, r in records]
     if not rows:
         raise ValueError(f"path: {str(path)!r} needs a header row and at least one data row")
+    dupes = sorted({h for h in header if header.count(h) > 1})
+    if dupes:
+        raise ValueError(
+            f"path: {str(path)!r} has duplicated column names {dupes} in its header {header}; "
+            "rename the columns so each name appears once"
+        )
     if target not in header:
         raise ValueError(f"target: column {target!r} not in header {header}")
     names = [features] if isinstance(features, str) else features
@@ -348,6 +354,8 @@ def from_csv(
     bad = [f for f in names if f not in header or f == target]
     if bad or not names:
         raise ValueError(f"features: {bad or names} are not feature columns of {header}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"features: {names} names a column more than once")
     for line, row in records:
         if len(row) != len(header):
             raise ValueError(f"path: line {line} has {len(row)} cells, header has {len(header)}")

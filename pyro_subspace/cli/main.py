@@ -55,7 +55,10 @@ def execute(argv: list[str] | None = None) -> dict | None:
             args.check(args, options.given_options(argv[1:]))
         except options.UsageError as e:
             args.parser.error(str(e))
-    return args.run(args)
+    try:
+        return args.run(args)
+    except options.UsageError as e:  # found while running, e.g. a bad --csv file
+        args.parser.error(str(e))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,6 +61,28 @@ def positive_float(text: str) -> float:
     return value
 
 
+def nonneg_float(text: str) -> float:
+    """An argparse ``type``: a finite number ``>= 0``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def probability(text: str) -> float:
+    """An argparse ``type``: a number in the open interval (0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
+    return value
+
+
 def number_or(word: str, kind: Callable[[str], object], what: str) -> Callable[[str], object]:
     """An argparse ``type``: the literal ``word``, or a value parsed by ``kind`` (``what``)."""
 
@@ -139,7 +161,7 @@ def add_regression_training(
         epochs=2000,
         lr=1e-3,
     )
-    g.add_argument("--weight-decay", type=float, default=1e-4, help=weight_decay_help)
+    g.add_argument("--weight-decay", type=nonneg_float, default=1e-4, help=weight_decay_help)
     return g
 
 
@@ -162,7 +184,7 @@ def add_swa_options(g: argparse._ArgumentGroup, what: str) -> None:
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=0, help="seeds data split, init and inference")
+    g.add_argument("--seed", type=int_at_least(0), default=0, help="seeds data split, init and inference")
     g.add_argument("--out", type=Path, default=Path("out"), help="directory for the PNG and JSON")
     g.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -190,7 +212,10 @@ def check_data(args: argparse.Namespace, given: set[str]) -> None:
 def load_data(args: argparse.Namespace, task: str) -> datasets.Dataset:
     """The ``--dataset`` split with ``--seed`` (a CSV is read as ``task``)."""
     if args.dataset == "csv":
-        return datasets.from_csv(args.csv, args.target, task=task, seed=args.seed)
+        try:
+            return datasets.from_csv(args.csv, args.target, task=task, seed=args.seed)
+        except (OSError, ValueError, TypeError) as e:  # a bad file is a usage error, not a crash
+            raise UsageError(f"--csv {args.csv}: {e}") from None
     return datasets.load(args.dataset, seed=args.seed)
 
 
