@@ -135,7 +135,7 @@ class NetSpec:
     device: torch.device | None
     in_kind: str | None = None  # "linear", "conv", "norm", "flatten", "embedding"
     in_width: int | None = None  # features (linear), channels (conv/norm), flattened size
-    in_ndim: int | None = None  # exact ndim of x (conv), or None
+    in_ndim: int | None = None  # exact ndim of x (conv; linear without Flatten: 2), or None
     out_width: int | None = None
 
 
@@ -167,6 +167,8 @@ def net_spec(net: nn.Module) -> NetSpec:
     first = layers[0]
     if isinstance(first, nn.Linear) and not isinstance(first, nn.LazyLinear):
         spec.in_kind, spec.in_width = "linear", first.in_features
+        if not any(isinstance(m, nn.Flatten) for m in layers):  # outputs (N, O) need x (N, F)
+            spec.in_ndim = 2
     elif isinstance(first, _CONVS) and not isinstance(first, nn.modules.lazy.LazyModuleMixin):
         spec.in_kind, spec.in_width = "conv", first.in_channels
         spec.in_ndim = {nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5}[type(first)]
@@ -241,6 +243,11 @@ def check_inputs(
         if x.dim() == 1:
             fix = f"{name}.unsqueeze(-1)" if w == 1 else f"{name}.reshape(-1, {w})"
             raise ValueError(f"{name}: is 1-D {shape} but the network takes (N, {w}); call {fix}")
+        if spec.in_ndim is not None and x.dim() != spec.in_ndim:
+            raise ValueError(
+                f"{name}: expected shape (N, {w}) for the network's first layer, got {shape}; "
+                f"call {name}.reshape(len({name}), -1) if each row holds {w} features"
+            )
         if x.shape[-1] != w:
             raise ValueError(
                 f"{name}: has {x.shape[-1]} features (shape {shape}) but the network's first "

@@ -386,7 +386,7 @@ def _cell(row: list[str], j: int, header: list[str], line: int) -> float:
         value = math.nan
     if not math.isfinite(value):
         raise ValueError(
-            f"column {header[j]!r}: non-numeric or non-finite cell {row[j]!r} on line {line}"
+            f"path: column {header[j]!r}: non-numeric or non-finite cell {row[j]!r} on line {line}"
         )
     return value
 

@@ -68,15 +68,15 @@ def fit_map(
     ck.positive_int(batch_size, "batch_size", allow_none=True)
     ck.choice(optimizer, "optimizer", ("adam", "sgd"))
     n = ck.check_data(net, x, y, likelihood, require_y=True)
-    with torch.no_grad(), eval_mode(net):
-        probe = net(x[:1])  # only the output width is needed to check the targets
-    probe = probe.unsqueeze(-1) if probe.dim() == 1 else probe
-    y = likelihood.validate(probe.new_zeros(n, *probe.shape[1:]), y)
     if swa_epochs > 0:
         if not isinstance(collector, SWACollector):
             raise ValueError("collector: swa_epochs > 0 needs a SWACollector built on this net")
         if collector.flat.net is not net:
             raise ValueError("collector: was built on a different network than net")
+    with torch.no_grad(), eval_mode(net):
+        probe = net(x[:1])  # only the output width is needed to check the targets
+    probe = probe.unsqueeze(-1) if probe.dim() == 1 else probe
+    y = likelihood.validate(probe.new_zeros(n, *probe.shape[1:]), y)
 
     gen = shuffle_generator(seed)
     groups = [{"params": list(net.parameters()), "weight_decay": float(weight_decay)}]

@@ -144,7 +144,7 @@ def fit_curve(
         raise ValueError(
             f"w0: expected shape ({flat.num_weights},) for this network, got {tuple(w0.shape)}"
         )
-    _check_points(w0, (w0 + w1) / 2, w1)
+    _check_points(w0, w0, w1)  # theta starts at their midpoint
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs: expected a positive int, got {epochs!r}")
     if not isinstance(lr, (int, float)) or lr <= 0:
