@@ -142,11 +142,11 @@ def subnetwork(
         if not isinstance(indices, (torch.Tensor, Sequence)) or isinstance(indices, str):
             raise TypeError(f"indices: expected integer flat positions, got {indices!r}")
         chosen = torch.as_tensor(indices)
-        if chosen.is_floating_point() or chosen.is_complex() or chosen.dtype == torch.bool:
-            raise TypeError("indices: expected integer flat positions")
         if chosen.dim() != 1 or chosen.numel() == 0:
             raise ValueError(f"indices: expected a non-empty 1-D list of flat positions, got "
                              f"shape {tuple(chosen.shape)}")
+        if chosen.is_floating_point() or chosen.is_complex() or chosen.dtype == torch.bool:
+            raise TypeError("indices: expected integer flat positions")
         if int(chosen.min()) < 0 or int(chosen.max()) >= d:
             raise ValueError(f"indices: positions must lie in [0, {d}), got "
                              f"[{int(chosen.min())}, {int(chosen.max())}]")
