@@ -89,6 +89,10 @@ class SubspaceNet(PyroModule):
             raise TypeError(
                 f"likelihood: expected a pyro_subspace Likelihood, got {type(likelihood).__name__}"
             )
+        if not isinstance(prior_scale, torch.Tensor):
+            _checks.positive_float(prior_scale, "prior_scale")
+        elif not prior_scale.is_floating_point():
+            raise TypeError(f"prior_scale: expected a float tensor, got dtype {prior_scale.dtype}")
         scale = torch.as_tensor(
             prior_scale, dtype=subspace.shift.dtype, device=subspace.shift.device
         )
@@ -182,6 +186,8 @@ class SubspaceNet(PyroModule):
     def set_prior_precision(self, prior_precision: float | torch.Tensor) -> None:
         """Set ``λ`` (a positive float or ``(K,)``; scalar with ``prior_mean="zero"``) in place:
         every method using this model then targets the posterior under the new prior."""
+        if not isinstance(prior_precision, torch.Tensor):
+            _checks.positive_float(prior_precision, "prior_precision")
         lam = torch.as_tensor(prior_precision, dtype=torch.float64)
         if lam.dim() > 1 or (lam.dim() == 1 and lam.shape[0] != self.rank):
             raise ValueError(f"prior_precision: expected a float or ({self.rank},), got {lam.shape}")

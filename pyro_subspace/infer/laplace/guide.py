@@ -20,6 +20,7 @@ import pyro
 import torch
 from pyro.infer.autoguide import AutoContinuous, AutoGuide
 
+from ... import _checks as ck
 from ..._linalg import cholesky
 from ...data import DataSource
 from ...nn import SubspaceNet
@@ -196,10 +197,7 @@ class AutoSubspaceLaplace(AutoContinuous):
             max_iter: at most this many L-BFGS iterations.
             tol: stop when every entry of the gradient is below ``tol`` in absolute value.
         """
-        if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-            raise ValueError(f"max_iter: expected a positive int, got {max_iter!r}")
-        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0:
-            raise ValueError(f"tol: expected a positive number, got {tol!r}")
+        ck.positive_int(max_iter, "max_iter"), ck.positive_float(tol, "tol")
         self.model.check_data(x, y)  # width, dtype, device, NaN, targets: before any work
         data = DataSource(x, y, self.chunk_size)
         has_targets = data.loader is not None or data.y is not None
