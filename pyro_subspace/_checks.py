@@ -29,7 +29,7 @@ def check_int(
     """``value`` as an int in ``[minimum, maximum]`` (``None`` passes with ``allow_none``)."""
     if value is None and allow_none:
         return None
-    what = f"an int >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+    what = f"an int >= {minimum}" if maximum is None else f"an int in [{minimum}, {maximum}]"
     if allow_none:
         what += " or None"
     if isinstance(value, bool) or not isinstance(value, Integral):
@@ -71,7 +71,7 @@ def probability(value: object, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name}: expected a float in (0, 1), got {value!r}")
     if not 0 < value < 1:  # also rejects NaN
-        raise ValueError(f"{name}: expected a float in the open interval (0, 1), got {value!r}")
+        raise ValueError(f"{name}: expected a value in the open interval (0, 1), got {value!r}")
     return float(value)
 
 

@@ -9,6 +9,8 @@ import warnings
 
 import torch
 
+from ._checks import positive_int
+
 #: Jitters tried, as multiples of the mean diagonal, before a factorisation gives up.
 JITTERS = (0.0, 1e-10, 1e-8, 1e-6)
 
@@ -54,8 +56,7 @@ def gaussian_draws(
 ) -> torch.Tensor:
     """``num_samples`` draws of ``N(mean, cov)`` per row: ``mean`` ``(N, O)``, ``cov``
     ``(N, O, O)``; returns ``(S, N, O)``. ``generator=None`` uses torch's global generator."""
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples: expected a positive int, got {num_samples!r}")
+    positive_int(num_samples, "num_samples")
     chol = cholesky(cov, "output covariance")
     eps = torch.randn(
         num_samples, *mean.shape, generator=generator, dtype=mean.dtype, device=mean.device

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ._checks import positive_int
+
 
 class DataSource:
     """Chunks ``(x_c, y_c)`` of a data set given as tensors, a ``Dataset`` or a ``DataLoader``.
@@ -26,8 +28,7 @@ class DataSource:
     def __init__(
         self, x: object, y: torch.Tensor | None = None, chunk_size: int = 4096
     ) -> None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+        positive_int(chunk_size, "chunk_size")
         self.chunk_size = chunk_size
         if isinstance(x, (Dataset, DataLoader)):
             if y is not None:

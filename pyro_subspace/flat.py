@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
+from ._checks import positive_int
+
 
 class FlatNet:
     """View of ``net`` as ``f(w, x)`` for a flat weight vector ``w`` of length ``D``.
@@ -207,10 +209,7 @@ class FlatNet:
                 ``chunk_size`` is not used).
             chunk_size: rows per pass.
         """
-        if chunk_size is not None and (
-            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-        ):
-            raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
+        positive_int(chunk_size, "chunk_size", allow_none=True)
         bn = [m for m in self.net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         if not bn:
             return
@@ -238,8 +237,7 @@ class FlatNet:
         Memory is bounded by the chunk, not by ``N``; outputs are concatenated along the data
         dimension, shape ``(*batch, N, *out_shape)``.
         """
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+        positive_int(chunk_size, "chunk_size")
         n = x.shape[0]
         if n <= chunk_size:
             return self(w, x)

@@ -18,12 +18,13 @@ draws ``(S, N)`` or ``(S, N, 1)``. Classification takes ``probs`` of shape ``(N,
 from __future__ import annotations
 
 import math
-from numbers import Real
 
 import torch
 from sklearn.metrics import roc_auc_score
 from torch import Tensor
 from torch.distributions import Normal
+
+from ._checks import check_int, probability
 
 #: `categorical_nll` clamps probabilities to at least this before the log, so a zero probability
 #: of the true class costs ``-log(1e-12) ≈ 27.6`` nats instead of ``inf``.
@@ -105,19 +106,13 @@ def _mixture(means: object, variances: object, y: object, strict: bool) -> list[
 
 def _level(level: object) -> float:
     """Check a central-interval probability mass lies in the open interval (0, 1)."""
-    if isinstance(level, bool) or not isinstance(level, Real):
-        raise TypeError(f"level: expected a float in (0, 1), got {level!r}")
-    if not 0 < level < 1:
-        raise ValueError(f"level: expected a value in the open interval (0, 1), got {level!r}")
+    probability(level, "level")
     return float(level)
 
 
 def _int(value: object, name: str, minimum: int) -> int:
     """Check ``value`` is an int >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    check_int(value, name, minimum)
     return value
 
 

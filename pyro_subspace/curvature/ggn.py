@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.func import jvp, vjp
 
+from .._checks import positive_int
 from ..flat import FlatNet, eval_mode
 from ..jacobians import MAX_JACOBIAN_NUMBERS, as_2d, full_jacobian_blocks
 from ..likelihoods import Likelihood, check_likelihood
@@ -37,10 +38,7 @@ def _setup(
         raise ValueError(f"x: expected at least one input row, got shape {tuple(x.shape)}")
     if x.is_floating_point() and not torch.isfinite(x).all():
         raise ValueError("x: contains NaN or inf")
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+    positive_int(chunk_size, "chunk_size", allow_none=True)
     if w is None:
         return flat, flat.vector()
     flat.check_weights(w, "w", batched=False)

@@ -30,13 +30,11 @@ from collections.abc import Callable
 import torch
 from linear_operator.utils.lanczos import lanczos_tridiag
 
+from .._checks import check_int
+
 
 def _check_int(value: object, name: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {value!r}")
-    if not low <= value <= high:
-        raise ValueError(f"{name}: expected an int in [{low}, {high}], got {value}")
-    return value
+    return check_int(value, name, low, high)
 
 
 def _valid_prefix(q: torch.Tensor, t: torch.Tensor) -> int:

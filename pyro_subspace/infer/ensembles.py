@@ -173,8 +173,7 @@ def train_ensemble(
     _checks.check_int(max_snapshots, "max_snapshots", 2)
     _checks.positive_float(swa_lr, "swa_lr", allow_none=True)
     if seeds is None:
-        if isinstance(n_members, bool) or not isinstance(n_members, int) or n_members < 1:
-            raise ValueError(f"n_members: expected a positive int, got {n_members!r}")
+        _checks.positive_int(n_members, "n_members")
         seeds = list(range(n_members))
     else:
         seeds = list(seeds)
@@ -182,9 +181,8 @@ def train_ensemble(
             raise ValueError(f"seeds: expected a non-empty list of ints, got {seeds!r}")
         if len(set(seeds)) != len(seeds):
             raise ValueError(f"seeds: expected distinct seeds, got {seeds!r}")
-    bad_swa = isinstance(swa_epochs, bool) or not isinstance(swa_epochs, int) or swa_epochs < 2
-    if collector and bad_swa:
-        raise ValueError(f"swa_epochs: collector=True needs an int >= 2, got {swa_epochs!r}")
+    if collector:  # SWAG needs at least two snapshots
+        _checks.check_int(swa_epochs, "swa_epochs", 2)
     for key in ("collector", "swa_epochs", "swa_lr", "seed", "progress"):
         if key in fit_map_kwargs:
             raise TypeError(f"{key}: set by train_ensemble itself; not a fit_map_kwargs entry")

@@ -25,6 +25,7 @@ import torch
 from pyro import poutine
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
+from .._checks import positive_int
 from .gaussian_prior import check_full_data, gaussian_priors
 
 
@@ -92,10 +93,7 @@ class EllipticalSliceSampler(MCMCKernel):
             if prior is not None or log_likelihood is not None:
                 raise ValueError("prior, log_likelihood: give either a model or these, not both")
             self._fn_likelihood = None
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
-        if isinstance(max_shrinks, bool) or not isinstance(max_shrinks, int) or max_shrinks < 1:
-            raise ValueError(f"max_shrinks: expected a positive int, got {max_shrinks!r}")
+        positive_int(chunk_size, "chunk_size"), positive_int(max_shrinks, "max_shrinks")
         self.model = model
         self.chunk_size = chunk_size
         self.recompute_bn = bool(recompute_bn)

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .._checks import check_int, positive_float, positive_int
 from ..flat import eval_mode
 from ..likelihoods import Likelihood
 from ..subspaces import SWACollector
@@ -47,15 +48,11 @@ __all__ = ["SWAG", "MultiSWAG"]
 
 
 def _check_positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return value
+    return positive_int(value, name)
 
 
 def _check_seed(value: object, name: str = "seed") -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise TypeError(f"{name}: expected an int or None, got {value!r}")
-    return value
+    return check_int(value, name, 0, allow_none=True)
 
 
 class SWAG(MixturePredictor, nn.Module):
@@ -101,8 +98,7 @@ class SWAG(MixturePredictor, nn.Module):
     ) -> None:
         if not isinstance(collector, SWACollector):
             raise TypeError(f"collector: expected a SWACollector, got {type(collector).__name__}")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-            raise ValueError(f"scale: expected a positive number, got {scale!r}")
+        positive_float(scale, "scale")
         likelihood = _check_likelihoods(likelihood, 1)[0]
         super().__init__()
         self.collector = collector

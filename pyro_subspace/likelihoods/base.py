@@ -30,17 +30,15 @@ from pyro import sample as pyro_sample
 from pyro.distributions import Distribution
 from pyro.nn import PyroModule
 
+from .._checks import positive_float
+
 #: Ways of turning Gaussian outputs into a predictive (`Likelihood.predictive_from_moments`).
 LINK_APPROXES = ("auto", "closed_form", "probit", "mc")
 
 
 def check_temperature(temperature: float, name: str = "temperature") -> float:
     """Return ``temperature`` as a float after checking it is finite and positive."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"{name}: expected a positive number, got {temperature!r}")
-    if not (0 < temperature < float("inf")):
-        raise ValueError(f"{name}: expected a finite positive number, got {temperature!r}")
-    return float(temperature)
+    return positive_float(temperature, name)
 
 
 def check_likelihood(likelihood: object, name: str = "likelihood") -> Likelihood:

@@ -61,6 +61,8 @@ from pyro.distributions import Bernoulli, Categorical, Delta, Normal
 from pyro.poutine.runtime import get_plates
 from torch import nn
 
+from .. import _checks as ck
+
 MODES = ("emp", "ecmp", "dropout", "dropconnect", "ensemble")
 #: normalisation layers whose affine parameters ``patches="auto"`` patches (section 3.3).
 NORM_TYPES = (
@@ -114,15 +116,9 @@ class PatchFamily:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-        if isinstance(n_components, bool) or not isinstance(n_components, int):
-            raise TypeError(f"n_components: expected an int >= 2, got {n_components!r}")
-        if n_components < 2:
-            raise ValueError(f"n_components: expected an int >= 2, got {n_components}")
+        ck.check_int(n_components, "n_components", 2)
         positive(sigma, "sigma", allow_zero=True)
-        if isinstance(drop_prob, bool) or not isinstance(drop_prob, (int, float)):
-            raise TypeError(f"drop_prob: expected a float in (0, 1), got {drop_prob!r}")
-        if not 0 < drop_prob < 1:
-            raise ValueError(f"drop_prob: expected a float in (0, 1), got {drop_prob!r}")
+        ck.probability(drop_prob, "drop_prob")
         if not any(True for _ in net.parameters()):
             raise ValueError("net: the network has no parameters")
         modules = dict(net.named_modules())
@@ -411,15 +407,7 @@ def _precisions(prior_precision: float | dict[str, float], modules: dict) -> dic
 def positive(value: object, name: str, allow_zero: bool = False) -> float:
     """``value`` as a float; ``TypeError``/``ValueError`` naming ``name`` unless finite and > 0
     (``>= 0`` with ``allow_zero``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a positive float, got {value!r}")
-    ok = value >= 0 if allow_zero else value > 0
-    if not ok or not math.isfinite(value):
-        raise ValueError(
-            f"{name}: expected a finite {'non-negative' if allow_zero else 'positive'} float, "
-            f"got {value!r}"
-        )
-    return float(value)
+    return ck.positive_float(value, name, allow_zero=allow_zero)
 
 
 def _components(

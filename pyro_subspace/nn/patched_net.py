@@ -475,9 +475,7 @@ class PatchedNet(PyroModule):
 
 
 def _check_size(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return value
+    return _checks.positive_int(value, name)
 
 
 def _check_call(x, y, size, num_data) -> tuple[int, int | None, int]:

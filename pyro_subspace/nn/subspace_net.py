@@ -304,8 +304,4 @@ def check_data(x: torch.Tensor, y: torch.Tensor | None) -> int:
 
 
 def _check_subsample(size: int | None) -> int | None:
-    if size is None:
-        return None
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"subsample_size: expected a positive int or None, got {size!r}")
-    return size
+    return _checks.positive_int(size, "subsample_size", allow_none=True)

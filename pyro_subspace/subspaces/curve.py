@@ -145,13 +145,7 @@ def fit_curve(
             f"w0: expected shape ({flat.num_weights},) for this network, got {tuple(w0.shape)}"
         )
     _check_points(w0, w0, w1)  # theta starts at their midpoint
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-        raise ValueError(f"epochs: expected a positive int, got {epochs!r}")
-    if not isinstance(lr, (int, float)) or lr <= 0:
-        raise ValueError(f"lr: expected a positive number, got {lr!r}")
     n = x.shape[0]
-    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"batch_size: expected a positive int or None, got {batch_size!r}")
     with torch.no_grad(), eval_mode(net):
         probe = flat(w0, x[:1])  # only the output width is needed to check the targets
     probe = probe.unsqueeze(-1) if probe.dim() == 1 else probe

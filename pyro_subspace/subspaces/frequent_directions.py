@@ -14,13 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._checks import positive_int
+
 
 def _check_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-    return value
+    return positive_int(value, name)
 
 
 class FrequentDirections(nn.Module):

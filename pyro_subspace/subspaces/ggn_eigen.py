@@ -60,8 +60,7 @@ def ggn_eigen(
         w = flat.vector()
     flat.check_weights(w, "w", batched=False)
     d = flat.num_weights
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= d:
-        raise ValueError(f"rank: expected an int in [1, {d}], got {rank!r}")
+    ck.check_int(rank, "rank", 1, d)
     w = w.detach()
 
     def matvec(v: torch.Tensor) -> torch.Tensor:

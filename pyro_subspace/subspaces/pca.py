@@ -17,6 +17,7 @@ from scipy.special import gammaln
 from sklearn.utils.extmath import randomized_svd
 from torch import nn
 
+from .._checks import check_int
 from ..flat import FlatNet
 from .base import Subspace
 from .frequent_directions import FrequentDirections
@@ -261,8 +262,7 @@ def pca(collector: SWACollector, rank: int | str, seed: int | None = 0) -> Subsp
         k = minka_dimension(spectrum[:nonzero], n_samples=n_samples, n_features=nonzero)
         basis = (vt[:k].T * s[:k]).to(dev.dtype)
     else:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"rank: expected a positive int or 'mle', got {rank!r}")
+        check_int(rank, "rank", 1)
         if rank > m:
             raise ValueError(
                 f"rank: {rank} is larger than the number of collected snapshots M={m}; "

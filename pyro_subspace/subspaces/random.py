@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._checks import check_int
 from ..flat import FlatNet
 from .base import Subspace
 
@@ -25,8 +26,7 @@ def random(net: nn.Module, rank: int, seed: int | None = None) -> Subspace:
         A dense `Subspace` with basis ``(D, K)`` of unit-norm columns.
     """
     flat = FlatNet(net)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= flat.num_weights:
-        raise ValueError(f"rank: expected an int in [1, {flat.num_weights}], got {rank!r}")
+    check_int(rank, "rank", 1, flat.num_weights)
     shift = flat.vector()
     gen = torch.Generator(device="cpu")
     if seed is None:

@@ -93,11 +93,8 @@ def subnetwork(
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}")
     scored = strategy in ("diag_laplace", "swag", "magnitude", "random")
-    bad_k = isinstance(n_params, bool) or not isinstance(n_params, int) or not 1 <= n_params <= d
-    if scored and bad_k:
-        raise ValueError(
-            f"n_params: expected an int in [1, {d}] for {strategy!r}, got {n_params!r}"
-        )
+    if scored:
+        ck.check_int(n_params, "n_params", 1, d)
     shift = flat.vector()
     if strategy == "diag_laplace":
         if likelihood is None or x is None:

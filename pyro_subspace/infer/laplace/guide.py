@@ -79,8 +79,7 @@ class AutoSubspaceLaplace(AutoContinuous):
             raise ValueError(
                 f"hessian_structure: expected one of {tuple(STRUCTURES)}, got {hessian_structure!r}"
             )
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+        ck.positive_int(chunk_size, "chunk_size")
         sub, k = model.subspace, model.rank
         lam = None
         if prior_precision is not None:
@@ -244,8 +243,7 @@ class AutoSubspaceLaplace(AutoContinuous):
         """Draws of all ``D`` weights, ``(S, D)``: ``ŵ + P t`` with ``t ~ N(t*, Σ)``. Without a
         ``seed`` the draws come from torch's global generator (never re-seeded)."""
         self._check_fitted()
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples: expected a positive int, got {num_samples!r}")
+        ck.positive_int(num_samples, "num_samples"), ck.check_int(seed, "seed", 0, allow_none=True)
         gen = None
         if seed is not None:
             gen = torch.Generator(device=self.loc.device).manual_seed(seed)
