@@ -20,7 +20,7 @@ from pyro.distributions import MultivariateNormal, Normal
 from pyro.nn import PyroModule
 from torch import nn
 
-from ..data import DataSource
+from ..data import DataSource, all_finite
 from ..flat import FlatNet, eval_mode
 from ..likelihoods import Likelihood, check_temperature
 from ..subspaces import Subspace
@@ -272,7 +272,7 @@ def _check_inputs(x: torch.Tensor) -> int:
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 1 or x.shape[0] < 1:
         raise ValueError(f"x: expected shape (N, ...) with N >= 1, got {tuple(x.shape)}")
-    if x.is_floating_point() and not torch.isfinite(x).all():
+    if not all_finite(x):  # in blocks: memory bounded, not a copy of x
         raise ValueError("x: contains NaN or inf")
     return x.shape[0]
 
