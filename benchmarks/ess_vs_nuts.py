@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import resource
 import subprocess
 import sys
@@ -157,6 +158,33 @@ def memory_child(chunk: int) -> None:
     print((after - before) / 1024)
 
 
+def ess_memory_child(n: int) -> None:
+    """Print the peak-RSS increases (MB) of ESS setup and of setup + 5 transitions on ``n``
+    points, 10-200-1 net, rank 10, chunk 4096, above the baseline with the data in memory.
+
+    Run with ``MALLOC_MMAP_THRESHOLD_=65536`` (set by the parent): blocks above 64 kB are then
+    returned to the system when freed, so the peak RSS follows the live memory instead of
+    glibc's cache of freed chunk buffers (which otherwise grows with the number of chunks
+    evaluated, up to a few tens of MB, and then stays).
+    """
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(10, 200), nn.ReLU(), nn.Linear(200, 1))
+    model = SubspaceNet(net, subspaces.random(net, 10, seed=0), likelihoods.Gaussian(0.1))
+    x, y = torch.randn(n, 10), torch.randn(n)
+    kernel = EllipticalSliceSampler(model, chunk_size=4096)
+
+    def peak() -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    before = peak()
+    kernel.setup(0, x, y)
+    setup = peak() - before
+    params = kernel.initial_params
+    for _ in range(5):
+        params = kernel.sample(params)
+    print(setup, peak() - before)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draws", type=int, default=400)
@@ -166,9 +194,17 @@ def main() -> None:
         "--temperature", default="auto", help="'auto' (T = N/K, the paper's setting) or a number"
     )
     parser.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--ess-memory-child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-only", action="store_true", help="only the memory section")
     args = parser.parse_args()
     if args.memory_child is not None:
         memory_child(args.memory_child)
+        return
+    if args.ess_memory_child is not None:
+        ess_memory_child(args.ess_memory_child)
+        return
+    if args.memory_only:
+        memory_section()
         return
     if args.quick:
         args.draws, args.warmup = 60, 30
@@ -196,6 +232,11 @@ def main() -> None:
                     f"{name:<9}{rank:>3} {kind:<8}{secs:>8.1f}{ess:>10.0f}{ess / secs:>9.1f}"
                     f"{rhat:>7.3f}{evals:>11.1f}{last}{overhead}"
                 )
+    memory_section()
+
+
+def memory_section() -> None:
+    """Peak memory: one likelihood evaluation chunked vs not; ESS setup and sampling vs ``N``."""
     print("\npeak memory of one likelihood evaluation, N = 200,000, toy net (MB above baseline)")
     for chunk in (4096, 200_000):
         out = subprocess.run(
@@ -206,6 +247,30 @@ def main() -> None:
         ).stdout.strip()
         label = f"chunk_size={chunk}" + (" (unchunked)" if chunk == 200_000 else "")
         print(f"  {label:<32}{float(out):>8.1f} MB")
+
+    print(
+        "\npeak memory of elliptical slice sampling, 10-200-1 net, rank 10, chunk_size=4096 "
+        "(MB above the baseline with the data loaded; fresh process each, "
+        "MALLOC_MMAP_THRESHOLD_=65536)"
+    )
+    print(f"  {'N':>9}{'setup':>10}{'setup + 5 draws':>18}")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    rows = {}
+    for n in (100_000, 1_000_000):
+        out = subprocess.run(
+            [sys.executable, __file__, "--ess-memory-child", str(n)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
+        ).stdout.split()
+        rows[n] = float(out[0]), float(out[1])
+        print(f"  {n:>9,}{rows[n][0]:>10.1f}{rows[n][1]:>18.1f}")
+    small, large = rows[100_000], rows[1_000_000]
+    print(
+        f"  ratio N=10^6 / N=10^5: setup {large[0] / small[0]:.3f}, "
+        f"setup + draws {large[1] / small[1]:.3f} (bounded by the chunk: within 1.10)"
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Predictive) runs over the few coordinates ``t`` while the rest stays at a point 
 """
 
 from . import convert, datasets, infer, likelihoods, metrics, subspaces
+from .exceptions import ConvergenceWarning, TrainingDivergedError
 from .flat import FlatNet
 from .infer import EllipticalSliceSampler
 from .nn import PatchedNet, SubspaceNet
@@ -13,10 +14,12 @@ from .train import fit_map
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConvergenceWarning",
     "EllipticalSliceSampler",
     "FlatNet",
     "PatchedNet",
     "SubspaceNet",
+    "TrainingDivergedError",
     "convert",
     "datasets",
     "fit_map",

@@ -214,7 +214,7 @@ def check_inputs(
         raise ValueError(f"{name}: expected at least one input row (N, ...), got shape {tuple(x.shape)}")
     if x.is_complex() or x.dtype == torch.bool:
         raise TypeError(f"{name}: expected real-valued inputs, got dtype {x.dtype}; call {name}.float()")
-    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+    if x.is_floating_point() and not _all_finite(x):
         raise ValueError(f"{name}: contains NaN or inf; remove or impute those rows")
     if net is None:
         return x.shape[0]
@@ -271,6 +271,12 @@ def check_inputs(
                 f"shape {shape}"
             )
     return x.shape[0]
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    from .data import all_finite  # data imports this module: import late
+
+    return all_finite(x)
 
 
 def check_data(

@@ -16,6 +16,15 @@ from torch.utils.data import DataLoader, Dataset
 from ._checks import positive_int
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """``torch.isfinite(x).all()`` computed block by block (about 2¹⁶ entries each), so that
+    checking a large data set needs memory of one block, not temporaries of the size of ``x``."""
+    if not x.is_floating_point() and not x.is_complex():
+        return True
+    rows = max(1, 2**16 // max(1, x[:1].numel()))
+    return all(bool(torch.isfinite(block).all()) for block in x.split(rows))
+
+
 class DataSource:
     """Chunks ``(x_c, y_c)`` of a data set given as tensors, a ``Dataset`` or a ``DataLoader``.
 
@@ -44,7 +53,7 @@ class DataSource:
             )
         if x.dim() == 0 or x.shape[0] == 0:
             raise ValueError(f"x: expected at least one input row, got shape {tuple(x.shape)}")
-        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        if not all_finite(x):
             raise ValueError("x: contains NaN or inf")
         if y is not None:
             if not isinstance(y, torch.Tensor):

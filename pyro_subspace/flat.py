@@ -246,15 +246,83 @@ class FlatNet:
         return torch.cat(parts, dim=dim)
 
 
+class Preserved:
+    """The saved state of some modules, as yielded by `preserved`.
+
+    ``keep_changes()`` tells `preserved` not to put back the weights and buffers on exit (the
+    modes still are): a training loop that diverges restores a checkpoint of its own and then
+    keeps it (`fit_map`). ``restore()`` puts the saved state back now.
+    """
+
+    def __init__(
+        self, modules: tuple[nn.Module, ...], modes: object, buffers: object, weights: object
+    ) -> None:
+        self.modules = modules
+        self._modes = modes
+        self._buffers = buffers
+        self._weights = weights
+        self._kept = False
+        self.saved_modes = (
+            [(m, m.training) for net in modules for m in net.modules()] if modes else []
+        )
+        tensors: list[torch.Tensor] = []
+        if buffers:
+            tensors += [b for net in modules for b in net.buffers()]
+        if weights:
+            tensors += [p for net in modules for p in net.parameters()]
+        seen: set[int] = set()
+        self.saved_tensors = []
+        for t in tensors:  # a module listed twice (or a submodule of another) is saved once
+            if id(t) not in seen:
+                seen.add(id(t))
+                self.saved_tensors.append((t, t.detach().clone()))
+
+    def keep_changes(self) -> None:
+        """Keep the current weights and buffers when the block exits (modes are restored)."""
+        self._kept = True
+
+    def restore(self, failed: bool = True) -> None:
+        """Put back what was saved: all of it after a failure (``failed``), on a normal exit
+        only what was asked to be restored always (``True``, not ``"error"``)."""
+
+        def wanted(flag: object) -> bool:
+            return bool(flag) and (failed or flag is True)
+
+        if not self._kept:
+            restore_buffers, restore_weights = wanted(self._buffers), wanted(self._weights)
+            if restore_buffers or restore_weights:
+                buffer_ids = {id(b) for net in self.modules for b in net.buffers()}
+                with torch.no_grad():
+                    for t, value in self.saved_tensors:
+                        is_buffer = id(t) in buffer_ids
+                        if (restore_buffers and is_buffer) or (restore_weights and not is_buffer):
+                            t.copy_(value)
+        if wanted(self._modes):
+            for m, training in self.saved_modes:
+                m.training = training
+
+
+def _check_when(value: object, name: str) -> object:
+    if value not in (True, False, "error"):
+        raise ValueError(f"{name}: expected True, False or 'error', got {value!r}")
+    return value
+
+
 @contextlib.contextmanager
 def preserved(
-    *modules: nn.Module, modes: bool = True, buffers: bool = False
-) -> Iterator[tuple[nn.Module, ...]]:
-    """Save the state of ``modules`` on entry and put it back on any exit, exceptions included.
+    *modules: nn.Module,
+    modes: bool | str = True,
+    buffers: bool | str = False,
+    weights: bool | str = False,
+) -> Iterator[Preserved]:
+    """Save the state of ``modules`` on entry and put it back on exit, exceptions included.
 
     The one place in the library that saves and restores module state: `eval_mode`,
-    `train_mode`, the training loops, `FlatNet.recompute_batchnorm`'s callers and `PatchedNet`
-    all go through it.
+    `train_mode`, the training loops (`fit_map`, `PatchedNet.fit`, `fit_curve`), the
+    BatchNorm refresh of `Evaluator` (elliptical slice sampling) and `PatchedNet` all go
+    through it. Restoring happens in a ``finally`` clause, so it also runs on
+    ``KeyboardInterrupt`` and other ``BaseException`` s: an interrupted method leaves the
+    user's networks as it found them.
 
     Args:
         *modules: the networks whose state is kept (each with all its submodules).
@@ -262,24 +330,32 @@ def preserved(
             the user chose comes back exactly.
         buffers: restore the values of every buffer (BatchNorm running statistics and
             ``num_batches_tracked``), copied back in place into the same tensors.
+        weights: restore the values of every parameter, in place.
+
+        Each flag is ``True`` (restore on any exit), ``False`` (never) or ``"error"``
+        (restore only when the block raises: a training loop keeps its result, an
+        interrupted one leaves nothing half-done).
+
+    Yields:
+        A `Preserved` handle (``keep_changes()``: keep the weights and buffers as they are).
 
     Example:
         >>> with preserved(net, buffers=True):
         ...     net.train()
         ...     net(x)  # updates the BatchNorm statistics, which are then restored
     """
-    saved_modes = [(m, m.training) for net in modules for m in net.modules()] if modes else []
-    saved_buffers = (
-        [(b, b.detach().clone()) for net in modules for b in net.buffers()] if buffers else []
+    state = Preserved(
+        modules,
+        _check_when(modes, "modes"),
+        _check_when(buffers, "buffers"),
+        _check_when(weights, "weights"),
     )
+    failed = True
     try:
-        yield modules
+        yield state
+        failed = False
     finally:
-        with torch.no_grad():
-            for b, value in saved_buffers:
-                b.copy_(value)
-        for m, training in saved_modes:
-            m.training = training
+        state.restore(failed)
 
 
 @contextlib.contextmanager

@@ -14,19 +14,22 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
+from .exceptions import TrainingDivergedError
+
 EPOCH_LOSSES = ("points", "batches")
 
 
 def shuffle_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator for the minibatch order: seeded by ``seed``, else from fresh entropy.
+    """A CPU generator for the minibatch order, seeded by ``seed``.
 
-    Never the global generator, so training does not move ``torch.manual_seed``'s stream.
+    With ``seed=None`` its seed is one draw from torch's global generator, so that
+    ``torch.manual_seed`` alone makes training reproducible; the global generator advances by
+    that one draw and is never re-seeded.
     """
     gen = torch.Generator(device="cpu")
     if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(seed)
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    gen.manual_seed(seed)
     return gen
 
 
@@ -81,7 +84,9 @@ def minibatch_loop(
         One loss per epoch.
 
     Raises:
-        FloatingPointError: a step's loss is NaN or infinite (before the optimiser moves on it).
+        TrainingDivergedError: (a ``FloatingPointError``) a step's loss is NaN or infinite
+            (before the optimiser moves on it), or the step raised a ``FloatingPointError``;
+            ``.epoch`` is the epoch, counted from 1.
     """
     if epoch_loss not in EPOCH_LOSSES:
         raise ValueError(f"epoch_loss: expected one of {EPOCH_LOSSES}, got {epoch_loss!r}")
@@ -100,12 +105,18 @@ def minibatch_loop(
                     continue
                 if optimizer is not None:
                     optimizer.zero_grad()
-                loss = step(idx)
+                try:
+                    loss = step(idx)
+                except FloatingPointError as err:  # a step's own check (non-finite outputs)
+                    if isinstance(err, TrainingDivergedError):
+                        raise
+                    raise TrainingDivergedError(f"{err} (epoch {epoch + 1})", epoch + 1) from err
                 value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
                 if not math.isfinite(value):
-                    raise FloatingPointError(
+                    raise TrainingDivergedError(
                         f"{desc}: the loss became {value} at epoch {epoch + 1}; "
-                        "lower the learning rate or check the data"
+                        "lower the learning rate or check the data",
+                        epoch + 1,
                     )
                 if optimizer is not None:
                     loss.backward()

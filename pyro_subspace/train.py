@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from . import _checks as ck
-from .flat import eval_mode, train_mode
+from .exceptions import TrainingDivergedError
+from .flat import Preserved, eval_mode, preserved, train_mode
 from .likelihoods import Likelihood
 from .minibatch import minibatch_loop, shuffle_generator
 from .subspaces import SWACollector
@@ -49,11 +50,23 @@ def fit_map(
         batch_size: minibatch size (``None``: full batch).
         collector: a `SWACollector` built on this ``net``; required when ``swa_epochs > 0``.
         swa_epochs, swa_lr: the SWA phase (``swa_lr`` defaults to ``lr``).
-        seed: seeds the minibatch shuffling.
+        seed: seeds the minibatch shuffling (``None``: the seed is one draw from torch's
+            global generator, so ``torch.manual_seed`` alone makes the fit reproducible).
         progress: show a ``tqdm`` progress bar.
 
     Returns:
         The mean training loss of each epoch, MAP phase then SWA phase.
+
+    Raises:
+        TrainingDivergedError: (a ``FloatingPointError``) the loss, the outputs or the weights
+            became non-finite. The network (weights and BatchNorm statistics) and the
+            likelihood's parameters are set back to the end of the last epoch with a finite
+            loss and finite weights; ``.epoch`` is the epoch that diverged and
+            ``.restored_epoch`` the one kept (``0``: the weights before training), both
+            counted from 1 over the MAP then SWA epochs.
+
+    Any other exception, ``KeyboardInterrupt`` included, leaves ``net``, ``likelihood`` and
+    ``collector`` exactly as they were before the call (`flat.preserved`).
     """
     if not isinstance(net, nn.Module):
         raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
@@ -101,18 +114,47 @@ def fit_map(
 
     loop = dict(batch_size=batch_size, generator=gen, device=x.device, progress=progress)
     history: list[float] = []
-    with train_mode(net):
-        history += minibatch_loop(
-            step, n, epochs=epochs, optimizer=make(optimizer, lr, groups), desc="fit_map", **loop
-        )
-        if swa_epochs:  # the SWA phase moves the weights only; likelihood parameters stay put
-            history += minibatch_loop(
-                step,
-                n,
-                epochs=swa_epochs,
-                optimizer=make("sgd", lr if swa_lr is None else swa_lr, groups[:1]),
-                on_epoch=lambda epoch, loss: collector.collect(),
-                desc="fit_map (swa)",
-                **loop,
+    # the last epoch with a finite loss and finite weights: where a divergence goes back to
+    last_good = {"epoch": 0, "state": Preserved((net, likelihood), False, True, True)}
+    offset = 0  # epochs of earlier phases (errors count epochs within their phase)
+
+    def checkpoint(epoch: int, loss: float) -> None:
+        if not all(bool(torch.isfinite(p).all()) for p in net.parameters()):
+            raise TrainingDivergedError(
+                f"fit_map: the weights became non-finite at epoch {epoch + 1}", epoch + 1
             )
+        last_good["epoch"] = offset + epoch + 1
+        last_good["state"] = Preserved((net, likelihood), False, True, True)
+        if offset:  # the SWA phase
+            collector.collect()
+
+    users = (net, likelihood) + ((collector,) if collector is not None else ())
+    # an interrupted or failing fit leaves the user's objects as they were
+    with preserved(*users, buffers="error", weights="error") as saved, train_mode(net):
+        try:
+            history += minibatch_loop(
+                step, n, epochs=epochs, optimizer=make(optimizer, lr, groups), desc="fit_map",
+                on_epoch=checkpoint, **loop,
+            )  # fmt: skip
+            if swa_epochs:  # the SWA phase moves the weights only; likelihood parameters stay
+                offset = epochs
+                history += minibatch_loop(
+                    step,
+                    n,
+                    epochs=swa_epochs,
+                    optimizer=make("sgd", lr if swa_lr is None else swa_lr, groups[:1]),
+                    on_epoch=checkpoint,
+                    desc="fit_map (swa)",
+                    **loop,
+                )
+        except TrainingDivergedError as err:
+            epoch, good = offset + err.epoch, last_good["epoch"]
+            last_good["state"].restore()
+            saved.keep_changes()  # keep the last finite weights, not those before training
+            raise TrainingDivergedError(
+                f"{err}. fit_map diverged at epoch {epoch}; the network keeps the weights of "
+                f"epoch {good} (0: those before training), the last with a finite loss",
+                epoch,
+                good,
+            ) from err
     return history

@@ -56,7 +56,9 @@ class EllipticalSliceSampler(MCMCKernel):
             likelihood evaluation, recompute the running statistics at the proposed weights from
             the training inputs (cumulative average over the chunks, as drbayes does for CIFAR
             nets), so the sampled density is a fixed function of ``t``. Doubles the cost of an
-            evaluation; off by default. The user's BatchNorm buffers are restored at `cleanup`.
+            evaluation; off by default. The user's BatchNorm buffers are put back after every
+            evaluation, so they are unchanged also when sampling raises or is interrupted
+            (Pyro calls no `cleanup` then).
         max_shrinks: bracket shrinkages before a transition gives up and raises
             ``RuntimeError`` (the likelihood is then NaN or flat at ``-inf``).
 

@@ -16,11 +16,13 @@ class Gaussian(Likelihood):
 
     Args:
         sigma: observation noise standard deviation. A positive float (or a tensor of shape
-            ``(O,)`` for ``O`` outputs) keeps it fixed. ``None`` (the default) makes it a learned
-            point estimate: a Pyro parameter (``PyroParam``, constraint positive, initialised at
-            ``sigma_init``) that `fit_map` and ``SVI`` optimise (type-II maximum likelihood) and
-            that MCMC holds fixed at its current value. Our choice, so that elliptical slice
-            sampling keeps a purely Gaussian prior over ``t``.
+            ``(O,)`` for ``O`` outputs) keeps it fixed; a floating-point tensor keeps its dtype
+            (float64 stays float64), a float is stored in torch's default dtype. ``None`` (the
+            default) makes it a learned point estimate: a Pyro parameter (``PyroParam``,
+            constraint positive, initialised at ``sigma_init``) that `fit_map` and ``SVI``
+            optimise (type-II maximum likelihood) and that MCMC holds fixed at its current
+            value. Our choice, so that elliptical slice sampling keeps a purely Gaussian prior
+            over ``t``.
         heteroscedastic: the network outputs two columns per point, the mean and a raw scale;
             the noise scale is ``softplus(raw) + min_scale`` (the paper's UCI nets, appendix G.1).
             ``sigma`` must then be ``None``.
@@ -56,7 +58,9 @@ class Gaussian(Likelihood):
                 raise ValueError(f"sigma_init: expected a positive number, got {sigma_init!r}")
             self.sigma = PyroParam(torch.tensor(float(sigma_init)), constraint=constraints.positive)
         else:
-            s = torch.as_tensor(sigma, dtype=torch.get_default_dtype())
+            floating = isinstance(sigma, torch.Tensor) and sigma.is_floating_point()
+            s = torch.as_tensor(sigma, dtype=None if floating else torch.get_default_dtype())
+            s = s.detach().clone()  # a tensor keeps its dtype (float64 stays float64)
             if s.dim() > 1 or not torch.isfinite(s).all() or (s <= 0).any():
                 raise ValueError(f"sigma: expected a positive float or (O,) tensor, got {sigma!r}")
             self.register_buffer("sigma", s)

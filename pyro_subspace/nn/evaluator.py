@@ -15,7 +15,7 @@ import torch
 
 from ..curvature import ggn_from_blocks
 from ..data import DataSource
-from ..flat import FlatNet
+from ..flat import FlatNet, preserved
 
 if TYPE_CHECKING:
     from .subspace_net import SubspaceNet
@@ -30,7 +30,8 @@ class Evaluator:
         recompute_bn: before each `log_likelihood`, recompute the network's BatchNorm running
             statistics at ``w = ŵ + P t`` from the training inputs (cumulative average over the
             chunks, as drbayes does), so the density is a fixed function of ``t``; the user's
-            buffers are put back by `restore` (and on any exception inside an evaluation).
+            buffers are put back after every evaluation (`flat.preserved`: also when it
+            raises or is interrupted), so `restore` finds nothing left to undo.
 
     ``temperature`` is ``T`` for ``N = data.num_data`` (``N/K`` when the model's is ``"auto"``).
     """
@@ -75,7 +76,10 @@ class Evaluator:
     def log_likelihood(self, t: torch.Tensor) -> float:
         """Tempered ``log p(D | t) / T`` as a float, without gradients."""
         model = self.model
-        with torch.no_grad():
+        # with the refresh, the user's buffers are put back after every evaluation, also when
+        # it raises or is interrupted (Pyro calls no kernel cleanup on exceptions)
+        keep = preserved(model.flat.net, modes=False, buffers=self._saved is not None)
+        with torch.no_grad(), keep:
             if self._saved is not None:
                 self._refresh_batchnorm(t)
             total = 0.0

@@ -33,7 +33,7 @@ from pyro.nn import PyroModule
 from pyro.nn.module import pyro_method
 from torch import nn
 
-from ..flat import FlatNet, eval_mode, train_mode
+from ..flat import FlatNet, eval_mode, preserved, train_mode
 from ..likelihoods import Likelihood, check_temperature
 from ..minibatch import minibatch_loop, shuffle_generator
 from .patch_family import PatchFamily, drop_data_dim, plate_batch_shape, positive
@@ -357,7 +357,13 @@ class PatchedNet(PyroModule):
             method: ``"torch"``: `negative_elbo` with ``torch.optim.Adam``; ``"svi"``: Pyro's
                 ``SVI(self, self.guide, pyro.optim.Adam, Trace_ELBO())`` on the same objective
                 (several times slower per step on small nets: Pyro's tracing dominates).
-            seed: seeds the shuffling (and nothing else; seed Pyro/torch for the draws).
+            seed: seeds the shuffling (and nothing else; seed Pyro/torch for the draws). With
+                ``None`` the shuffling seed is one draw from torch's global generator, so
+                ``torch.manual_seed`` alone makes the fit reproducible.
+
+        Any exception, ``KeyboardInterrupt`` included, leaves the means, the likelihood's
+        parameters and the BatchNorm statistics as they were before the call
+        (`flat.preserved`).
 
         Returns:
             Mean loss per data point of each epoch: for ``"torch"`` the expected NLL part of
@@ -397,7 +403,8 @@ class PatchedNet(PyroModule):
                     )
                 return nll / n  # the penalty's gradient: Adam's weight_decay (eq. 7)
 
-        with train_mode(self, self.net):
+        # an interrupted or failing fit leaves the means and the BatchNorm statistics as they were
+        with preserved(self, self.net, buffers="error", weights="error"), train_mode(self, self.net):
             return minibatch_loop(
                 step,
                 n,

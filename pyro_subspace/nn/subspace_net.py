@@ -21,7 +21,7 @@ from pyro.nn import PyroModule
 from torch import nn
 
 from .. import _checks
-from ..data import DataSource
+from ..data import DataSource, all_finite
 from ..flat import FlatNet, eval_mode
 from ..likelihoods import Likelihood, check_temperature
 from ..subspaces import Subspace
@@ -287,7 +287,7 @@ def _check_inputs(x: torch.Tensor) -> int:
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 1 or x.shape[0] < 1:
         raise ValueError(f"x: expected shape (N, ...) with N >= 1, got {tuple(x.shape)}")
-    if x.is_floating_point() and not torch.isfinite(x).all():
+    if not all_finite(x):  # in blocks: memory bounded, not a copy of x
         raise ValueError("x: contains NaN or inf")
     return x.shape[0]
 

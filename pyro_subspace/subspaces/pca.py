@@ -239,7 +239,8 @@ def pca(collector: SWACollector, rank: int | str, seed: int | None = 0) -> Subsp
             non-zero; the ambient dimension is taken to be ``L`` (the span of the snapshots),
             because with ``d = D`` the noise estimate ``v̂`` collapses and the criterion cannot
             reduce the dimension (the failure the paper reports in appendix D).
-        seed: random state of ``randomized_svd``.
+        seed: random state of ``randomized_svd`` (``None``: drawn from torch's global
+            generator, so ``torch.manual_seed`` alone makes the basis reproducible).
 
     Returns:
         A dense `Subspace` with shift ``(D,)`` and basis ``(D, K)``.
@@ -268,6 +269,8 @@ def pca(collector: SWACollector, rank: int | str, seed: int | None = 0) -> Subsp
                 f"rank: {rank} is larger than the number of collected snapshots M={m}; "
                 f"collect more snapshots or use rank <= {m}"
             )
+        if seed is None:  # one draw from torch's global generator (torch.manual_seed controls it)
+            seed = int(torch.randint(0, 2**31 - 1, ()))
         _, s, vt = randomized_svd(dev.numpy(force=True).astype(np.float64), rank, random_state=seed)
         basis = torch.as_tensor(vt.T * s, dtype=dev.dtype, device=dev.device)
     return Subspace(collector.mean, basis)

@@ -20,7 +20,8 @@ def random(net: nn.Module, rank: int, seed: int | None = None) -> Subspace:
     Args:
         net: the trained network; its weights ``ŵ`` (shape ``(D,)``) become the shift.
         rank: ``K``, the number of directions, ``1 <= K <= D``.
-        seed: seed of the ``torch.Generator`` drawing the directions (``None``: nondeterministic).
+        seed: seed of the ``torch.Generator`` drawing the directions (``None``: torch's global
+            generator, which ``torch.manual_seed`` controls; it is advanced, never re-seeded).
 
     Returns:
         A dense `Subspace` with basis ``(D, K)`` of unit-norm columns.
@@ -28,11 +29,7 @@ def random(net: nn.Module, rank: int, seed: int | None = None) -> Subspace:
     flat = FlatNet(net)
     check_int(rank, "rank", 1, flat.num_weights)
     shift = flat.vector()
-    gen = torch.Generator(device="cpu")
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(seed)
+    gen = None if seed is None else torch.Generator(device="cpu").manual_seed(seed)
     basis = torch.randn(flat.num_weights, rank, generator=gen, dtype=shift.dtype)
     basis = basis / basis.norm(dim=0, keepdim=True)
     return Subspace(shift, basis.to(shift.device))

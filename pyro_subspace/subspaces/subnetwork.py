@@ -83,7 +83,7 @@ def subnetwork(
         collector: for ``"swag"``: a `SWACollector` built on ``net``.
         names: for ``"names"``: parameter or module names.
         indices: for ``"indices"``: flat positions.
-        seed: for ``"random"``.
+        seed: for ``"random"`` (``None``: torch's global generator, never re-seeded).
 
     Returns:
         A `Subspace` with shift ``ŵ`` and the selected indices, sorted, as its basis.
@@ -117,9 +117,7 @@ def subnetwork(
     elif strategy == "magnitude":
         score = shift.abs()
     elif strategy == "random":
-        gen = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
-        if seed is None:
-            gen.seed()
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None  # None: global
         score = torch.rand(d, generator=gen)
     if scored:
         chosen = torch.topk(score.to(shift.device), n_params).indices

@@ -14,6 +14,7 @@ With an index basis this is the paper's full-covariance subnetwork Laplace; with
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import pyro
@@ -22,6 +23,7 @@ from pyro.infer.autoguide import AutoContinuous, AutoGuide
 
 from ... import _checks as ck
 from ..._linalg import cholesky
+from ...exceptions import ConvergenceWarning
 from ...data import DataSource
 from ...nn import SubspaceNet
 from ...nn.evaluator import Evaluator
@@ -195,6 +197,17 @@ class AutoSubspaceLaplace(AutoContinuous):
             find_map: run the MAP search.
             max_iter: at most this many L-BFGS iterations.
             tol: stop when every entry of the gradient is below ``tol`` in absolute value.
+
+        Warns:
+            ConvergenceWarning: the MAP search ended with a gradient entry above ``tol`` (the
+                message gives the largest entry reached). ``t*`` is then not the MAP and the
+                posterior is centred and curved at the wrong point. To converge: raise
+                ``max_iter`` (subnetworks of hundreds of weights need thousands of
+                iterations), and fit in float64 (``net.double()`` with float64 data): float32
+                gradients have a rounding floor far above the default ``tol=1e-9``. A loss
+                that is not smooth at ``t*`` (ReLU kinks, weights of early layers) may have
+                a minimum whose gradient does not vanish; a smooth activation or a
+                last-layer subspace avoids that. Filter the warning by its class.
         """
         ck.positive_int(max_iter, "max_iter"), ck.positive_float(tol, "tol")
         self.model.check_data(x, y)  # width, dtype, device, NaN, targets: before any work
@@ -209,8 +222,10 @@ class AutoSubspaceLaplace(AutoContinuous):
         if find_map:
             prior = FullPrior(self)
             objective = lambda tt: prior.add(*ev.nll_and_grad(tt), tt)  # noqa: E731
-            t = _find_map(objective, t, max_iter, tol)
-            t = self._polish(objective, t, ev, prior)
+            t, iterations, used_up = _find_map(objective, t, max_iter, tol)
+            t, grad = self._polish(objective, t, ev, prior)
+            dtype = self.model.subspace.shift.dtype
+            _warn_unconverged(grad, tol, iterations, max_iter if used_up else None, dtype)
         self.loc.copy_(t.detach())
         self.ggn.copy_(self.structure.curvature(ev, t))
         loglik, sse, count = ev.map_statistics(t) if has_targets else (math.nan, 0.0, 0)
@@ -221,13 +236,16 @@ class AutoSubspaceLaplace(AutoContinuous):
         self._set_posterior()
         return self
 
-    def _polish(self, objective: Callable, t: torch.Tensor, ev, prior) -> torch.Tensor:
-        """One Gauss–Newton step ``t − (PᵀGP/T + Λ₀)⁻¹ ∇``, kept unless it raises the loss."""
+    def _polish(self, objective: Callable, t: torch.Tensor, ev, prior):
+        """One Gauss–Newton step ``t − (PᵀGP/T + Λ₀)⁻¹ ∇``, kept unless it raises the loss;
+        returns the point kept and the gradient there."""
         loss, grad = objective(t)
         hessian = ev.ggn(t) / ev.temperature + prior.matrix
         t_new = t - torch.cholesky_solve(grad[:, None], cholesky(hessian, "precision"))[:, 0]
-        loss_new = objective(t_new)[0]
-        return t_new if loss_new <= loss + 1e-12 * (1 + abs(loss)) else t  # up to rounding
+        loss_new, grad_new = objective(t_new)
+        if loss_new <= loss + 1e-12 * (1 + abs(loss)):  # up to rounding
+            return t_new, grad_new
+        return t, grad
 
     def _set_posterior(self, prior_precision: torch.Tensor | None = None) -> None:
         s = self.structure
@@ -330,8 +348,11 @@ class FullPrior:
         return total, grad + self.matrix @ d
 
 
-def _find_map(objective: Callable, t: torch.Tensor, max_iter: int, tol: float) -> torch.Tensor:
-    """L-BFGS with a strong-Wolfe line search on ``objective(t) -> (loss, grad)``."""
+def _find_map(
+    objective: Callable, t: torch.Tensor, max_iter: int, tol: float
+) -> tuple[torch.Tensor, int, bool]:
+    """L-BFGS with a strong-Wolfe line search on ``objective(t) -> (loss, grad)``; returns the
+    point, the iterations run and whether the budget (iterations or evaluations) ran out."""
     t = t.clone().requires_grad_(True)
     opt = torch.optim.LBFGS(
         [t], max_iter=max_iter, tolerance_grad=tol, tolerance_change=1e-15, history_size=20,
@@ -343,7 +364,38 @@ def _find_map(objective: Callable, t: torch.Tensor, max_iter: int, tol: float) -
         return torch.tensor(loss, dtype=torch.float64)
 
     opt.step(closure)
-    return t.detach()
+    state = opt.state[opt._params[0]]
+    iterations, evaluations = int(state.get("n_iter", 0)), int(state.get("func_evals", 0))
+    used_up = iterations >= max_iter or evaluations >= opt.defaults["max_eval"]
+    return t.detach(), iterations, used_up
+
+
+def _warn_unconverged(
+    grad: torch.Tensor, tol: float, iterations: int, max_iter: int | None, dtype: torch.dtype
+) -> None:
+    """Warn (`ConvergenceWarning`) unless every gradient entry at ``t*`` is below ``tol``;
+    ``max_iter`` is given when the search ran out of its budget."""
+    reached = float(grad.abs().max())
+    if reached <= tol:
+        return
+    if max_iter is not None:
+        why = f"the budget of max_iter={max_iter} iterations ran out"
+        how = "raise max_iter (e.g. fit(x, y, max_iter=5000))"
+    elif dtype != torch.float64:
+        why = f"the loss stopped decreasing in {dtype} after {iterations} iterations"
+        how = "fit a float64 network (net.double() with float64 x and y): float32 rounding"
+        how += " keeps the gradient far above tol"
+    else:
+        why = f"the line search stalled after {iterations} iterations in float64"
+        how = "the loss is likely not smooth at t* (ReLU kinks: a minimum there need not have"
+        how += " a zero gradient); use a smooth activation or fewer/last-layer weights"
+    warnings.warn(
+        f"fit: the MAP search did not converge: largest gradient entry {reached:.3g} > "
+        f"tol={tol:g} ({why}); t* and the posterior around it are approximate. Fix: "
+        f"{how}; or loosen tol",
+        ConvergenceWarning,
+        stacklevel=3,
+    )
 
 
 def _check_precision(value: object, k: int) -> torch.Tensor:

@@ -1,0 +1,27 @@
+"""The library's own warning and error classes (catch or filter them by type)."""
+
+from __future__ import annotations
+
+
+class ConvergenceWarning(UserWarning):
+    """An iterative solver stopped before reaching its stated tolerance.
+
+    Raised as a warning (``warnings.warn``), never an error: the result is returned, and the
+    message says what was reached and how to get convergence. Turn it into an error with
+    ``warnings.simplefilter("error", ConvergenceWarning)``.
+    """
+
+
+class TrainingDivergedError(FloatingPointError):
+    """A training loop met a non-finite loss or output.
+
+    Attributes:
+        epoch: the epoch (counted from 1) in which the loss or the outputs became non-finite.
+        restored_epoch: the epoch whose weights the network was given back (0: the weights
+            it had before training), or ``None`` when the loop did not restore anything.
+    """
+
+    def __init__(self, message: str, epoch: int, restored_epoch: int | None = None) -> None:
+        super().__init__(message)
+        self.epoch = epoch
+        self.restored_epoch = restored_epoch
