@@ -24,7 +24,7 @@ from ..._linalg import cholesky
 from ...data import DataSource
 from ...nn import SubspaceNet
 from ...nn.evaluator import Evaluator
-from .structures import STRUCTURES
+from .structures import make_structure
 
 PRIOR_MEANS = ("shift", "zero")
 
@@ -48,11 +48,15 @@ class AutoSubspaceLaplace(AutoContinuous):
         prior_precision: ``λ > 0`` (float or ``(K,)``); ``None`` keeps the model's.
         prior_mean: ``"shift"`` or ``"zero"``; ``None`` keeps the model's.
         rescale_prior: use ``λ_S = λ·K/D`` (Subnetwork Inference, section 6.1).
-        hessian_structure: ``"full"`` or ``"diag"`` (`structures`).
+        hessian_structure: ``"full"``, ``"diag"`` or ``"lowrank"`` (`structures`).
         chunk_size: rows of data per Jacobian block.
+        rank: ``k`` of ``"lowrank"`` (top-``k`` GGN eigenpairs plus the prior as an isotropic
+            remainder, `lowrank.LowRankStructure`), ``1 <= k <= K``; default ``min(K, 10)``.
 
-    After `fit`: ``loc`` ``(K,) = t*``, ``precision`` (``(K, K)``, or ``(K,)`` for diag),
-    ``covariance``, ``scale_tril`` (its factor), ``ggn``, all float64.
+    After `fit`: ``loc`` ``(K,) = t*``, ``precision`` (``(K, K)``, ``(K,)`` for diag, packed
+    ``(K+1, k+1)`` for lowrank: `lowrank.unpack`), ``covariance``, ``scale_tril`` (its factor),
+    ``ggn``, all float64. Every draw (`forward`, `sample_weights`, ``Predictive``) and the
+    linearised predictive use this one ``Σ``.
 
     Example:
         >>> guide = AutoSubspaceLaplace(model, prior_precision=1.0, prior_mean="zero")
@@ -69,15 +73,13 @@ class AutoSubspaceLaplace(AutoContinuous):
         rescale_prior: bool = False,
         hessian_structure: str = "full",
         chunk_size: int = 1024,
+        rank: int | None = None,
     ) -> None:
         if not isinstance(model, SubspaceNet):
             raise TypeError(f"model: expected a SubspaceNet, got {type(model).__name__}")
         if prior_mean is not None and prior_mean not in PRIOR_MEANS:
             raise ValueError(f"prior_mean: expected one of {PRIOR_MEANS}, got {prior_mean!r}")
-        if hessian_structure not in STRUCTURES:
-            raise ValueError(
-                f"hessian_structure: expected one of {tuple(STRUCTURES)}, got {hessian_structure!r}"
-            )
+        structure = make_structure(hessian_structure, rank, model.rank)
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
         sub, k = model.subspace, model.rank
@@ -91,12 +93,12 @@ class AutoSubspaceLaplace(AutoContinuous):
         if (prior_mean is not None and prior_mean != model.prior_mean) or lam is not None:
             model.set_prior(prior_mean or model.prior_mean, lam)
         AutoGuide.__init__(self, model)  # the model itself: no init messenger, no params
-        self.structure = STRUCTURES[hessian_structure]
+        self.structure = structure
         self.hessian_structure = hessian_structure
         self.chunk_size = chunk_size
         self.rescale_prior = bool(rescale_prior)
         f64 = {"dtype": torch.float64, "device": sub.shift.device}
-        shape = (k, k) if hessian_structure == "full" else (k,)
+        shape = structure.shape(k)
         for name in ("ggn", "precision", "covariance", "scale_tril"):
             self.register_buffer(name, torch.zeros(shape, **f64))
         self.register_buffer("loc", torch.zeros(k, **f64))
@@ -280,7 +282,7 @@ class AutoSubspaceLaplace(AutoContinuous):
         if sigma is not None:
             sigma0 = self._scalar_sigma()
             sigma = torch.as_tensor(sigma, dtype=torch.float64, device=self.loc.device)
-            ggn = ggn * (sigma0 / sigma) ** 2
+            ggn = self.structure.scale_curvature(ggn, (sigma0 / sigma) ** 2)
             loglik = self._gaussian_loglik(sigma)
         s = self.structure
         prior = s.prior_matrix(lam, self.model)
