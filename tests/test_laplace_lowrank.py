@@ -153,3 +153,25 @@ def test_default_rank_and_the_guide_constructor():
     assert la.structure.rank == 10 and la.covariance.shape == (39, 11)
     with pytest.raises(ValueError, match="rank: only used with"):
         AutoSubspaceLaplace(la.model, hessian_structure="diag", rank=2)
+
+
+def test_the_map_search_step_is_sigma_times_the_gradient_without_a_dense_ggn(monkeypatch):
+    """The last Gauss–Newton step of the MAP search uses the low-rank ``Σ`` (Woodbury): the
+    dense ``PᵀGP`` (`Evaluator.ggn`) is never formed when Lanczos applies."""
+    from pyro_subspace.infer.laplace.guide import FullPrior
+    from pyro_subspace.nn.evaluator import Evaluator
+
+    la, x, y = fit("lowrank", rank=4)
+    ev = la.model.evaluator(x, y)
+    grad = torch.linspace(-1, 1, la.model.rank, dtype=torch.float64)
+
+    def no_dense_ggn(*args, **kwargs):
+        raise AssertionError("the dense GGN was formed")
+
+    monkeypatch.setattr(Evaluator, "ggn", no_dense_ggn)
+    step = la.structure.newton_step(ev, la.loc, grad, FullPrior(la))
+    _, u, l = unpack(la.ggn)
+    precision = u @ torch.diag(l / la.temperature) @ u.T + 1.5 * torch.eye(la.model.rank).double()
+    assert torch.allclose(step, torch.linalg.solve(precision, grad), rtol=1e-10, atol=1e-13)
+    net, _, _ = classifier()
+    Laplace(net, likelihoods.Categorical(), "all", "lowrank", 1.5, rank=4).fit(x, y)  # MAP search

@@ -20,7 +20,6 @@ import pyro
 import torch
 from pyro.infer.autoguide import AutoContinuous, AutoGuide
 
-from ..._linalg import cholesky
 from ...data import DataSource
 from ...nn import SubspaceNet
 from ...nn.evaluator import Evaluator
@@ -226,10 +225,10 @@ class AutoSubspaceLaplace(AutoContinuous):
         return self
 
     def _polish(self, objective: Callable, t: torch.Tensor, ev, prior) -> torch.Tensor:
-        """One Gauss–Newton step ``t − (PᵀGP/T + Λ₀)⁻¹ ∇``, kept unless it raises the loss."""
+        """One Gauss–Newton step ``t − (PᵀGP/T + Λ₀)⁻¹ ∇``, kept unless it raises the loss
+        (the structure's `newton_step`: the dense ``PᵀGP`` except for the low-rank one)."""
         loss, grad = objective(t)
-        hessian = ev.ggn(t) / ev.temperature + prior.matrix
-        t_new = t - torch.cholesky_solve(grad[:, None], cholesky(hessian, "precision"))[:, 0]
+        t_new = t - self.structure.newton_step(ev, t, grad, prior)
         loss_new = objective(t_new)[0]
         return t_new if loss_new <= loss + 1e-12 * (1 + abs(loss)) else t  # up to rounding
 
@@ -319,20 +318,37 @@ class AutoSubspaceLaplace(AutoContinuous):
 
 
 class FullPrior:
-    """``½ (t − m₀)ᵀ Λ₀ (t − m₀)`` added to a loss and gradient (full ``Λ₀`` always: the MAP
-    search uses the exact prior whatever the posterior structure)."""
+    """``½ (t − m₀)ᵀ Λ₀ (t − m₀)`` added to a loss and gradient (the exact prior whatever the
+    posterior structure; a diagonal ``Λ₀`` is kept as its diagonal ``(K,)``)."""
 
     def __init__(self, guide: AutoSubspaceLaplace) -> None:
         lam = guide.prior_precision.to(guide.loc)
-        self.matrix = torch.diag(lam) if lam.dim() == 1 else lam * guide.model.prior_gram_matrix()
+        model, k = guide.model, guide.model.rank
+        self.diagonal = None
+        if lam.dim() == 1:
+            self.diagonal = lam
+        elif model.prior_gram.numel() == 0:  # PᵀP = I, never formed
+            self.diagonal = lam.expand(k)
+        else:
+            self._matrix = lam * model.prior_gram_matrix()
         self.loc = guide.prior_loc
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        """``Λ₀`` ``(K, K)``."""
+        return torch.diag(self.diagonal) if self.diagonal is not None else self._matrix
+
+    def apply(self, d: torch.Tensor) -> torch.Tensor:
+        """``Λ₀ d``."""
+        return self.diagonal * d if self.diagonal is not None else self._matrix @ d
 
     def add(self, loss: float, grad: torch.Tensor, t: torch.Tensor) -> tuple[float, torch.Tensor]:
         d = t.detach() - self.loc
-        total = loss + float(d @ self.matrix @ d) / 2
+        lam_d = self.apply(d)
+        total = loss + float(d @ lam_d) / 2
         if not math.isfinite(total):
             raise FloatingPointError("fit: the negative log joint is not finite at the MAP search")
-        return total, grad + self.matrix @ d
+        return total, grad + lam_d
 
 
 def _find_map(objective: Callable, t: torch.Tensor, max_iter: int, tol: float) -> torch.Tensor:

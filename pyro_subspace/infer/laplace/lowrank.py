@@ -125,6 +125,15 @@ class LowRankStructure:
         d, m, w = unpack(curv)
         return pack(d, m, w * c)
 
+    def newton_step(self, evaluator, t: torch.Tensor, grad: torch.Tensor, prior) -> torch.Tensor:
+        """``Σ ∇`` with this structure's ``Σ`` at ``t`` (Woodbury, no ``K × K`` matrix): the MAP
+        search's last step, kept by the guide only if it lowers the loss. ``prior`` is the
+        guide's exact prior; its diagonal enters (``prior.diagonal``, else ``diag(Λ₀)``)."""
+        diag = prior.diagonal if prior.diagonal is not None else prior.matrix.diagonal()
+        precision = self.precision(self.curvature(evaluator, t), evaluator.temperature, diag)
+        d, m, w = unpack(self.covariance(self.factor(precision)))
+        return d * grad + m @ (w * (grad @ m))
+
     @staticmethod
     def prior_matrix(lam: torch.Tensor, model) -> torch.Tensor:
         """The diagonal ``(K,)`` of ``Λ₀``."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._linalg import logdet, precision_to_scale_tril
+from ..._linalg import cholesky, logdet, precision_to_scale_tril
 from .lowrank import LowRankStructure
 
 
@@ -39,6 +39,13 @@ class FullStructure:
     def shape(k: int) -> tuple[int, ...]:
         """Shape of the curvature, precision, covariance and factor buffers."""
         return (k, k)
+
+    @staticmethod
+    def newton_step(evaluator, t: torch.Tensor, grad: torch.Tensor, prior) -> torch.Tensor:
+        """``(PᵀGP/T + Λ₀)⁻¹ ∇`` ``(K,)`` for the MAP search's last step (dense ``PᵀGP``;
+        ``prior`` is the guide's exact prior, ``prior.matrix`` ``(K, K)``)."""
+        hessian = evaluator.ggn(t) / evaluator.temperature + prior.matrix
+        return torch.cholesky_solve(grad[:, None], cholesky(hessian, "precision"))[:, 0]
 
     @staticmethod
     def scale_curvature(curv: torch.Tensor, c: torch.Tensor | float) -> torch.Tensor:
@@ -113,6 +120,10 @@ class DiagonalStructure:
     @staticmethod
     def shape(k: int) -> tuple[int, ...]:
         return (k,)
+
+    #: the MAP search's last step uses the dense ``PᵀGP`` (the MAP does not depend on the
+    #: posterior's structure).
+    newton_step = staticmethod(FullStructure.newton_step)
 
     @staticmethod
     def scale_curvature(curv: torch.Tensor, c: torch.Tensor | float) -> torch.Tensor:
