@@ -165,6 +165,8 @@ class BaseStructureTestCase:
         assert dist.event_shape == (K,)
         assert torch.allclose(dist.log_prob(x), exact.log_prob(x), rtol=1e-10)
         assert torch.allclose(dist.mean, loc)
+        assert float(dist.entropy()) == pytest.approx(float(exact.entropy()), rel=1e-12)
+        assert torch.allclose(dist.variance, exact.variance, rtol=1e-10)
         torch.manual_seed(0)
         draws = dist.sample((20000,))
         sigma = torch.linalg.inv(reference)
