@@ -1,18 +1,15 @@
-"""The Laplace guide as a Pyro autoguide: SVI, Predictive, AutoGuideList, one prior, persistence.
+"""The Laplace guide as a Pyro autoguide: one prior, the diagonal front door, streamed data.
 
-Independent targets: for a linear-Gaussian model the Laplace posterior is exact, so every ELBO
-particle equals ``log p(y)`` (the closed-form evidence), and the guide's draws must have the
-conjugate posterior's moments (tolerances from the Monte Carlo standard error).
+The guide's contract (conjugate posterior and exact evidence on a linear-Gaussian model, every
+ELBO particle, ``Predictive``/``AutoGuideList``/``forward``/`sample_weights` drawing one ``Σ``,
+persistence) runs for every subspace kind and structure in ``test_contract_guides.py``
+(`contracts.guide.BaseGuideTestCase`).
 """
 
 from __future__ import annotations
 
-import pyro
 import pytest
 import torch
-from pyro.infer import SVI, Predictive, Trace_ELBO
-from pyro.infer.autoguide import AutoGuideList
-from test_persistence import PersistenceContract
 from torch import nn
 
 from pyro_subspace import SubspaceNet, likelihoods, subspaces
@@ -31,49 +28,12 @@ def linear_problem(n: int = 40, seed: int = 0):
     return net, x, y
 
 
-def exact_log_evidence(x, y, sigma, lam, shift):
-    """``log N(y | X ŵ, σ² I + X Xᵀ/λ)`` for ``w = ŵ + t``, ``t ~ N(0, λ⁻¹ I)``."""
-    cov = sigma**2 * torch.eye(x.shape[0], dtype=x.dtype) + x @ x.T / lam
-    return torch.distributions.MultivariateNormal(x @ shift, cov).log_prob(y)
-
-
 def fitted_linear_guide(prior_mean: str = "shift"):
     net, x, y = linear_problem()
     sub = subspaces.Subspace(torch.zeros(3, dtype=torch.float64), torch.arange(3))
     model = SubspaceNet(net, sub, likelihoods.Gaussian(0.3), prior_mean=prior_mean)
     guide = AutoSubspaceLaplace(model, prior_precision=2.0).fit(x, y)
     return model, guide, x, y
-
-
-def test_every_elbo_particle_equals_the_exact_evidence():
-    model, guide, x, y = fitted_linear_guide()
-    sigma = float(model.likelihood.sigma)  # the float32 value the likelihood holds (issue 12)
-    exact = float(exact_log_evidence(x, y, sigma, 2.0, torch.zeros(3, dtype=torch.float64)))
-    assert float(guide.log_marginal_likelihood()) == pytest.approx(exact, rel=1e-10)
-    for _ in range(3):  # q is the exact posterior: log p(y, t) − log q(t) = log p(y) for every t
-        loss = Trace_ELBO(num_particles=1).loss(model, guide, x, y)
-        assert -loss == pytest.approx(exact, rel=1e-8)
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.1}), Trace_ELBO())  # no params to learn
-    assert -svi.evaluate_loss(x, y) == pytest.approx(exact, rel=1e-8)
-
-
-@pytest.mark.parametrize("in_list", [False, True])
-def test_predictive_and_autoguidelist_draw_the_posterior(in_list):
-    model, guide, x, y = fitted_linear_guide()
-    cov = torch.linalg.inv(x.T @ x / 0.09 + 2.0 * torch.eye(3, dtype=torch.float64))
-    mean = cov @ x.T @ y / 0.09
-    g = guide
-    if in_list:
-        g = AutoGuideList(model)
-        g.append(guide)
-    s = 4000
-    t = Predictive(model, guide=g, num_samples=s, return_sites=["t"])(x)["t"].reshape(s, 3)
-    se = (cov.diagonal() / s).sqrt()
-    assert ((t.mean(0) - mean).abs() < 5 * se).all()
-    assert torch.allclose(t.T.cov(), cov, rtol=0.15, atol=5 * float(cov.diagonal().max()) / s**0.5)
-    assert torch.allclose(guide.median()["t"], mean, rtol=1e-8)
-    q = guide.quantiles([0.5])["t"][0]
-    assert torch.allclose(q, mean, rtol=1e-8)
 
 
 def test_model_and_guide_share_one_prior():
@@ -110,55 +70,6 @@ def _classifier():
     x = torch.randn(50, 4, dtype=torch.float64)
     y = torch.randint(0, 3, (50,))
     return net, x, y
-
-
-class _GuideContract(PersistenceContract):
-    subset = "last_layer"
-    structure = "full"
-
-    def _build(self):
-        net, x, y = _classifier()
-        return Laplace(net, likelihoods.Categorical(), self.subset, self.structure, 2.0), x, y
-
-    def fitted(self):
-        la, x, y = self._build()
-        la.fit(x, y, find_map=False)
-        la.optimize_prior_precision("grid", x_val=x[:20], y_val=y[:20])
-        return _Pair(la)
-
-    def fresh(self):
-        return _Pair(self._build()[0])
-
-    def outputs(self, pair):
-        x = _classifier()[1]
-        la = pair.guide
-        return (
-            la.predict(x).probs,
-            la.predict(x, link_approx="mc", num_samples=50, seed=3).probs,
-            la.sample_weights(5, seed=1),
-            la.log_marginal_likelihood(),
-        )
-
-
-class _Pair(nn.Module):
-    """The guide and its model (whose prior the guide tuned), saved together."""
-
-    def __init__(self, guide) -> None:
-        super().__init__()
-        self.guide = guide
-        self.model = guide.model
-
-
-class TestLastLayerFull(_GuideContract):
-    pass
-
-
-class TestAllWeightsDiag(_GuideContract):
-    subset, structure = "all", "diag"
-
-
-class TestSubnetworkFull(_GuideContract):
-    subset = torch.tensor([0, 5, 9, 40, 60])
 
 
 def test_a_dataloader_gives_the_fit_of_the_tensors():

@@ -55,8 +55,9 @@ class Likelihood(PyroModule):
     """Base class. Subclasses define `distribution`, `check_outputs`, `prepare_target`,
     `_hessian_diagonal` or `_hessian`, `_predictive` and `predictive_log_prob`.
 
-    Contract tests: ``tests/test_likelihoods.py::LikelihoodContract`` runs every implementation
-    against autograd Hessians, closed forms and brute-force Monte Carlo.
+    Contract tests: ``tests/contracts/likelihood.py::BaseLikelihoodTestCase``, run by every
+    implementation in ``tests/test_contract_likelihoods.py``, checks them against autograd
+    Hessians, closed forms and brute-force Monte Carlo.
     """
 
     #: number of network outputs per point this likelihood needs, or ``None`` for any.

@@ -21,7 +21,7 @@ from ...nn import SubspaceNet
 from ...subspaces import IndexSubspace, LastLayerSubspace, Subspace, subnetwork
 from .guide import AutoSubspaceLaplace
 from .predictive import linearized_moments
-from .structures import STRUCTURES
+from .structures import check_structure
 from .tuning import optimize_prior_precision
 
 SUBSETS = ("all", "last_layer", "subnetwork")
@@ -44,6 +44,7 @@ def Laplace(  # noqa: N802 (a factory named like laplace-torch's)
     n_params: int | None = None,
     strategy: str = "magnitude",
     chunk_size: int = 1024,
+    rank: int | None = None,
     **strategy_kwargs: object,
 ) -> AutoSubspaceLaplace:
     """A linearised Laplace approximation of ``net`` at its current weights (the MAP).
@@ -55,7 +56,10 @@ def Laplace(  # noqa: N802 (a factory named like laplace-torch's)
             ``"all"`` (every weight), ``"subnetwork"`` (``n_params`` weights chosen by
             `subspaces.subnetwork` with ``strategy`` and ``strategy_kwargs``), a 1-D tensor of
             flat indices, or any `Subspace`.
-        hessian_structure: ``"full"`` or ``"diag"``.
+        hessian_structure: ``"full"``, ``"diag"`` or ``"lowrank"`` (the top-``rank`` GGN
+            eigenpairs by Lanczos plus the prior ``λ I`` as the isotropic remainder).
+        rank: ``k`` of ``"lowrank"``, ``1 <= k <= K`` (default ``min(K, 10)``); an error with
+            another structure.
         prior_precision: ``λ`` of the weight prior ``N(0, λ⁻¹ I)``.
         temperature: ``T`` of the likelihood.
 
@@ -68,7 +72,7 @@ def Laplace(  # noqa: N802 (a factory named like laplace-torch's)
         raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
     check_likelihood(likelihood)
     _check_lambda(prior_precision), check_temperature(temperature)
-    ck.choice(hessian_structure, "hessian_structure", STRUCTURES), ck.positive_int(chunk_size, "chunk_size")
+    check_structure(hessian_structure, rank), ck.positive_int(chunk_size, "chunk_size")
     if isinstance(subset_of_weights, Subspace):
         sub = subset_of_weights
     elif isinstance(subset_of_weights, torch.Tensor):
@@ -93,7 +97,9 @@ def Laplace(  # noqa: N802 (a factory named like laplace-torch's)
         temperature=check_temperature(temperature), prior_mean="zero",
     )  # fmt: skip
     model.set_prior_precision(float(prior_precision))
-    return AutoSubspaceLaplace(model, hessian_structure=hessian_structure, chunk_size=chunk_size)
+    return AutoSubspaceLaplace(
+        model, hessian_structure=hessian_structure, chunk_size=chunk_size, rank=rank
+    )
 
 
 class DiagonalLaplace(AutoSubspaceLaplace):

@@ -22,12 +22,11 @@ import torch
 from pyro.infer.autoguide import AutoContinuous, AutoGuide
 
 from ... import _checks as ck
-from ..._linalg import cholesky
 from ...exceptions import ConvergenceWarning
 from ...data import DataSource
 from ...nn import SubspaceNet
 from ...nn.evaluator import Evaluator
-from .structures import STRUCTURES
+from .structures import make_structure
 
 PRIOR_MEANS = ("shift", "zero")
 
@@ -51,11 +50,15 @@ class AutoSubspaceLaplace(AutoContinuous):
         prior_precision: ``λ > 0`` (float or ``(K,)``); ``None`` keeps the model's.
         prior_mean: ``"shift"`` or ``"zero"``; ``None`` keeps the model's.
         rescale_prior: use ``λ_S = λ·K/D`` (Subnetwork Inference, section 6.1).
-        hessian_structure: ``"full"`` or ``"diag"`` (`structures`).
+        hessian_structure: ``"full"``, ``"diag"`` or ``"lowrank"`` (`structures`).
         chunk_size: rows of data per Jacobian block.
+        rank: ``k`` of ``"lowrank"`` (top-``k`` GGN eigenpairs plus the prior as an isotropic
+            remainder, `lowrank.LowRankStructure`), ``1 <= k <= K``; default ``min(K, 10)``.
 
-    After `fit`: ``loc`` ``(K,) = t*``, ``precision`` (``(K, K)``, or ``(K,)`` for diag),
-    ``covariance``, ``scale_tril`` (its factor), ``ggn``, all float64.
+    After `fit`: ``loc`` ``(K,) = t*``, ``precision`` (``(K, K)``, ``(K,)`` for diag, packed
+    ``(K+1, k+1)`` for lowrank: `lowrank.unpack`), ``covariance``, ``scale_tril`` (its factor),
+    ``ggn``, all float64. Every draw (`forward`, `sample_weights`, ``Predictive``) and the
+    linearised predictive use this one ``Σ``.
 
     Example:
         >>> guide = AutoSubspaceLaplace(model, prior_precision=1.0, prior_mean="zero")
@@ -72,15 +75,13 @@ class AutoSubspaceLaplace(AutoContinuous):
         rescale_prior: bool = False,
         hessian_structure: str = "full",
         chunk_size: int = 1024,
+        rank: int | None = None,
     ) -> None:
         if not isinstance(model, SubspaceNet):
             raise TypeError(f"model: expected a SubspaceNet, got {type(model).__name__}")
         if prior_mean is not None and prior_mean not in PRIOR_MEANS:
             raise ValueError(f"prior_mean: expected one of {PRIOR_MEANS}, got {prior_mean!r}")
-        if hessian_structure not in STRUCTURES:
-            raise ValueError(
-                f"hessian_structure: expected one of {tuple(STRUCTURES)}, got {hessian_structure!r}"
-            )
+        structure = make_structure(hessian_structure, rank, model.rank)
         ck.positive_int(chunk_size, "chunk_size")
         sub, k = model.subspace, model.rank
         lam = None
@@ -93,12 +94,12 @@ class AutoSubspaceLaplace(AutoContinuous):
         if (prior_mean is not None and prior_mean != model.prior_mean) or lam is not None:
             model.set_prior(prior_mean or model.prior_mean, lam)
         AutoGuide.__init__(self, model)  # the model itself: no init messenger, no params
-        self.structure = STRUCTURES[hessian_structure]
+        self.structure = structure
         self.hessian_structure = hessian_structure
         self.chunk_size = chunk_size
         self.rescale_prior = bool(rescale_prior)
         f64 = {"dtype": torch.float64, "device": sub.shift.device}
-        shape = (k, k) if hessian_structure == "full" else (k,)
+        shape = structure.shape(k)
         for name in ("ggn", "precision", "covariance", "scale_tril"):
             self.register_buffer(name, torch.zeros(shape, **f64))
         self.register_buffer("loc", torch.zeros(k, **f64))
@@ -237,11 +238,11 @@ class AutoSubspaceLaplace(AutoContinuous):
         return self
 
     def _polish(self, objective: Callable, t: torch.Tensor, ev, prior):
-        """One Gauss–Newton step ``t − (PᵀGP/T + Λ₀)⁻¹ ∇``, kept unless it raises the loss;
+        """One Gauss–Newton step ``t − (PᵀGP/T + Λ₀)⁻¹ ∇``, kept unless it raises the loss
+        (the structure's `newton_step`: the dense ``PᵀGP`` except for the low-rank one);
         returns the point kept and the gradient there."""
         loss, grad = objective(t)
-        hessian = ev.ggn(t) / ev.temperature + prior.matrix
-        t_new = t - torch.cholesky_solve(grad[:, None], cholesky(hessian, "precision"))[:, 0]
+        t_new = t - self.structure.newton_step(ev, t, grad, prior)
         loss_new, grad_new = objective(t_new)
         if loss_new <= loss + 1e-12 * (1 + abs(loss)):  # up to rounding
             return t_new, grad_new
@@ -295,7 +296,7 @@ class AutoSubspaceLaplace(AutoContinuous):
         if sigma is not None:
             sigma0 = self._scalar_sigma()
             sigma = torch.as_tensor(sigma, dtype=torch.float64, device=self.loc.device)
-            ggn = ggn * (sigma0 / sigma) ** 2
+            ggn = self.structure.scale_curvature(ggn, (sigma0 / sigma) ** 2)
             loglik = self._gaussian_loglik(sigma)
         s = self.structure
         prior = s.prior_matrix(lam, self.model)
@@ -332,20 +333,37 @@ class AutoSubspaceLaplace(AutoContinuous):
 
 
 class FullPrior:
-    """``½ (t − m₀)ᵀ Λ₀ (t − m₀)`` added to a loss and gradient (full ``Λ₀`` always: the MAP
-    search uses the exact prior whatever the posterior structure)."""
+    """``½ (t − m₀)ᵀ Λ₀ (t − m₀)`` added to a loss and gradient (the exact prior whatever the
+    posterior structure; a diagonal ``Λ₀`` is kept as its diagonal ``(K,)``)."""
 
     def __init__(self, guide: AutoSubspaceLaplace) -> None:
         lam = guide.prior_precision.to(guide.loc)
-        self.matrix = torch.diag(lam) if lam.dim() == 1 else lam * guide.model.prior_gram_matrix()
+        model, k = guide.model, guide.model.rank
+        self.diagonal = None
+        if lam.dim() == 1:
+            self.diagonal = lam
+        elif model.prior_gram.numel() == 0:  # PᵀP = I, never formed
+            self.diagonal = lam.expand(k)
+        else:
+            self._matrix = lam * model.prior_gram_matrix()
         self.loc = guide.prior_loc
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        """``Λ₀`` ``(K, K)``."""
+        return torch.diag(self.diagonal) if self.diagonal is not None else self._matrix
+
+    def apply(self, d: torch.Tensor) -> torch.Tensor:
+        """``Λ₀ d``."""
+        return self.diagonal * d if self.diagonal is not None else self._matrix @ d
 
     def add(self, loss: float, grad: torch.Tensor, t: torch.Tensor) -> tuple[float, torch.Tensor]:
         d = t.detach() - self.loc
-        total = loss + float(d @ self.matrix @ d) / 2
+        lam_d = self.apply(d)
+        total = loss + float(d @ lam_d) / 2
         if not math.isfinite(total):
             raise FloatingPointError("fit: the negative log joint is not finite at the MAP search")
-        return total, grad + self.matrix @ d
+        return total, grad + lam_d
 
 
 def _find_map(

@@ -5,17 +5,21 @@ combines a `Subspace` kind (which weights) with one of these (which covariance o
 
 - `FullStructure`: ``Σ⁻¹ = C/T + Λ₀`` as a dense ``(K, K)`` matrix (Subnetwork Inference eq. 15);
 - `DiagonalStructure`: only the diagonal, ``Σ = diag(1/(c/T + λ))`` (the mean-field baseline of
-  Subnetwork Inference sections 6.1–6.2 when the subspace is all weights).
+  Subnetwork Inference sections 6.1–6.2 when the subspace is all weights);
+- `LowRankStructure` (in `lowrank.py`): the top-``k`` eigenpairs of the GGN plus the prior as an
+  isotropic remainder, ``Σ⁻¹ ≈ U diag(l) Uᵀ/T + λ I`` (laplace-torch's ``LowRankLaplace``).
 
 Each gives the curvature it needs from an `Evaluator`, the posterior precision and its factor,
 the functional covariance ``J_P Σ J_Pᵀ``, draws, and the log-determinants of the evidence.
+`make_structure` builds one by name.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..._linalg import logdet, precision_to_scale_tril
+from ..._linalg import cholesky, logdet, precision_to_scale_tril
+from .lowrank import LowRankStructure
 
 
 class FullStructure:
@@ -30,6 +34,23 @@ class FullStructure:
     @staticmethod
     def prior_matrix(lam: torch.Tensor, model) -> torch.Tensor:
         return torch.diag(lam) if lam.dim() == 1 else lam * model.prior_gram_matrix()
+
+    @staticmethod
+    def shape(k: int) -> tuple[int, ...]:
+        """Shape of the curvature, precision, covariance and factor buffers."""
+        return (k, k)
+
+    @staticmethod
+    def newton_step(evaluator, t: torch.Tensor, grad: torch.Tensor, prior) -> torch.Tensor:
+        """``(PᵀGP/T + Λ₀)⁻¹ ∇`` ``(K,)`` for the MAP search's last step (dense ``PᵀGP``;
+        ``prior`` is the guide's exact prior, ``prior.matrix`` ``(K, K)``)."""
+        hessian = evaluator.ggn(t) / evaluator.temperature + prior.matrix
+        return torch.cholesky_solve(grad[:, None], cholesky(hessian, "precision"))[:, 0]
+
+    @staticmethod
+    def scale_curvature(curv: torch.Tensor, c: torch.Tensor | float) -> torch.Tensor:
+        """The curvature of ``c`` times the GGN (a re-tuned noise scale: ``G ∝ 1/σ²``)."""
+        return curv * c
 
     @staticmethod
     def precision(curv: torch.Tensor, temperature: float, prior: torch.Tensor) -> torch.Tensor:
@@ -97,6 +118,18 @@ class DiagonalStructure:
         return lam if lam.dim() == 1 else lam * model.prior_gram_diagonal()
 
     @staticmethod
+    def shape(k: int) -> tuple[int, ...]:
+        return (k,)
+
+    #: the MAP search's last step uses the dense ``PᵀGP`` (the MAP does not depend on the
+    #: posterior's structure).
+    newton_step = staticmethod(FullStructure.newton_step)
+
+    @staticmethod
+    def scale_curvature(curv: torch.Tensor, c: torch.Tensor | float) -> torch.Tensor:
+        return curv * c
+
+    @staticmethod
     def precision(curv: torch.Tensor, temperature: float, prior: torch.Tensor) -> torch.Tensor:
         return curv / temperature + prior
 
@@ -145,4 +178,23 @@ class DiagonalStructure:
         return (matrix * d.square()).sum()
 
 
-STRUCTURES = {s.name: s for s in (FullStructure, DiagonalStructure)}
+STRUCTURES = {s.name: s for s in (FullStructure, DiagonalStructure, LowRankStructure)}
+
+
+def make_structure(name: str, rank: int | None, dim: int):
+    """The structure called ``name`` for ``dim`` coordinates; ``rank`` only for ``"lowrank"``
+    (``None``: `LowRankStructure.default_rank`). Raises ``ValueError`` naming the argument."""
+    check_structure(name, rank)
+    if name == "lowrank":
+        return LowRankStructure(LowRankStructure.default_rank(dim) if rank is None else rank, dim)
+    return STRUCTURES[name]
+
+
+def check_structure(name: str, rank: int | None) -> None:
+    """The checks of `make_structure` that need no ``K`` (for entry points, before any work)."""
+    if not isinstance(name, str) or name not in STRUCTURES:
+        raise ValueError(f"hessian_structure: expected one of {tuple(STRUCTURES)}, got {name!r}")
+    if rank is not None and name != "lowrank":
+        raise ValueError(f"rank: only used with hessian_structure='lowrank', got {name!r}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        raise ValueError(f"rank: expected a positive int, got {rank!r}")

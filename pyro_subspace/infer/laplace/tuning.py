@@ -113,7 +113,8 @@ def _optimize_marglik(guide, optimize_sigma: bool, max_iter: int) -> None:
     if optimize_sigma:
         sigma = float(params[1].detach().exp())
         with torch.no_grad():
-            guide.ggn.mul_((guide._scalar_sigma() / sigma) ** 2)
+            scale = (guide._scalar_sigma() / sigma) ** 2
+            guide.ggn.copy_(guide.structure.scale_curvature(guide.ggn, scale))
             guide.map_log_likelihood.copy_(guide._gaussian_loglik(torch.tensor(sigma).double()))
         lik = guide.likelihood  # a learned PyroParam or a buffer: set in place
         lik.sigma = torch.full_like(lik.sigma.detach(), sigma)

@@ -1,0 +1,54 @@
+"""Every subspace kind runs `contracts.subspace.BaseSubspaceTestCase`."""
+
+import pytest
+import torch
+from contracts.subspace import BaseSubspaceTestCase
+from torch import nn
+
+from pyro_subspace import FlatNet, likelihoods, subspaces
+from pyro_subspace.subspaces import LastLayerSubspace, Subspace
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class TestDenseSubspace(BaseSubspaceTestCase):
+    def create_subspace(self, net):
+        w = FlatNet(net).vector()
+        gen = torch.Generator().manual_seed(1)
+        return Subspace(w, torch.randn(w.numel(), 4, generator=gen, dtype=torch.float64))
+
+
+class TestRandomSubspace(BaseSubspaceTestCase):
+    def create_subspace(self, net):
+        return subspaces.random(net, 3, seed=2)
+
+
+class TestGGNEigenSubspace(BaseSubspaceTestCase):
+    """Orthonormal: its Gram is ``I`` although it is a dense kind (Lanczos run once)."""
+
+    _cache: dict = {}
+
+    def create_subspace(self, net):
+        if "sub" not in self._cache:
+            x = torch.randn(12, 3, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+            self._cache["sub"] = subspaces.ggn_eigen(net, likelihoods.Categorical(), x, 3)
+        return self._cache["sub"]
+
+
+class TestIndexSubspace(BaseSubspaceTestCase):
+    def create_subspace(self, net):
+        return Subspace(FlatNet(net).vector(), torch.tensor([0, 5, 13, 17, 25]))
+
+
+class TestLastLayerSubspace(BaseSubspaceTestCase):
+    def create_subspace(self, net):
+        return LastLayerSubspace(net)
+
+
+class TestLastLayerSubspaceWithoutBias(BaseSubspaceTestCase):
+    def create_net(self):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3, bias=False)).double()
+
+    def create_subspace(self, net):
+        return LastLayerSubspace(net)
