@@ -220,13 +220,24 @@ def test_recompute_batchnorm_uses_the_statistics_at_the_proposal_and_restores_th
     kernel = EllipticalSliceSampler(model, chunk_size=40, recompute_bn=True)
     kernel.setup(0, x, y)
     t = torch.randn(3)
+    used = []  # the statistics BatchNorm normalises with in the likelihood's (eval) passes
+    hook = net[1].register_forward_pre_hook(
+        lambda m, inputs: used.append((m.running_mean.clone(), m.running_var.clone()))
+        if not m.training
+        else None
+    )
     kernel.log_likelihood({"t": t})
+    hook.remove()
     w = model.flat.unflatten(model.subspace.weights(t))
     pre = x @ w["0.weight"].T + w["0.bias"]  # the BatchNorm input at the proposed weights
-    assert torch.allclose(net[1].running_mean, pre.mean(0), atol=1e-5)
     # running_var: the size-weighted mean of each chunk's unbiased variance (torch's convention)
     var = sum(c.shape[0] / 90 * c.var(0) for c in pre.split(40))  # chunks of 40, 40, 10
-    assert torch.allclose(net[1].running_var, var, atol=1e-5)
+    assert len(used) == 3  # one eval pass per chunk
+    for mean_used, var_used in used:
+        assert torch.allclose(mean_used, pre.mean(0), atol=1e-5)
+        assert torch.allclose(var_used, var, atol=1e-5)
+    # the user's buffers are back right after the evaluation (issue 12), and after cleanup
+    assert all(torch.equal(a, b) for a, b in zip(saved, net.buffers()))
     kernel.cleanup()
     assert all(torch.equal(a, b) for a, b in zip(saved, net.buffers()))
 

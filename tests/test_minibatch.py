@@ -55,12 +55,19 @@ def test_small_last_batches_are_skipped_and_batch_means_recorded():
     assert sizes == [1]
 
 
-def test_the_global_generator_is_untouched_and_divergence_raises():
+def test_seedless_order_follows_the_global_generator_and_divergence_raises():
+    # issue 12: no generator -> seeded by one draw of the global one (never re-seeded)
     torch.manual_seed(3)
+    torch.randint(0, 2**62, (), dtype=torch.int64)
     expected = torch.rand(2)
-    torch.manual_seed(3)
-    minibatch_loop(lambda idx: 0.0, 10, epochs=2, batch_size=3)  # no generator: a fresh one
-    assert torch.equal(torch.rand(2), expected)
+    orders = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        seen = []
+        minibatch_loop(lambda idx: seen.append(idx) or 0.0, 10, epochs=2, batch_size=3)
+        orders.append(torch.cat(seen))
+        assert torch.equal(torch.rand(2), expected)  # advanced by exactly that one draw
+    assert torch.equal(orders[0], orders[1])
     with pytest.raises(FloatingPointError, match="demo: the loss became nan at epoch 1"):
         minibatch_loop(lambda idx: float("nan"), 4, epochs=1, desc="demo")
     with pytest.raises(ValueError, match="epoch_loss"):

@@ -205,10 +205,11 @@ class AutoSubspaceLaplace(AutoContinuous):
                 posterior is centred and curved at the wrong point. To converge: raise
                 ``max_iter`` (subnetworks of hundreds of weights need thousands of
                 iterations), and fit in float64 (``net.double()`` with float64 data): float32
-                gradients have a rounding floor far above the default ``tol=1e-9``. A loss
-                that is not smooth at ``t*`` (ReLU kinks, weights of early layers) may have
-                a minimum whose gradient does not vanish; a smooth activation or a
-                last-layer subspace avoids that. Filter the warning by its class.
+                gradients have a rounding floor far above the default ``tol=1e-9``. Even in
+                float64 the search can stall where the loss no longer resolves a decrease, or
+                at a minimum on a ReLU kink whose gradient does not vanish; a last-layer
+                subspace (linear in ``t``: the Gauss–Newton step is exact for a Gaussian
+                likelihood) always converges. Filter the warning by its class.
         """
         ck.positive_int(max_iter, "max_iter"), ck.positive_float(tol, "tol")
         self.model.check_data(x, y)  # width, dtype, device, NaN, targets: before any work
@@ -404,9 +405,9 @@ def _warn_unconverged(
         how = "fit a float64 network (net.double() with float64 x and y): float32 rounding"
         how += " keeps the gradient far above tol"
     else:
-        why = f"the line search stalled after {iterations} iterations in float64"
-        how = "the loss is likely not smooth at t* (ReLU kinks: a minimum there need not have"
-        how += " a zero gradient); use a smooth activation or fewer/last-layer weights"
+        why = f"no further decrease at float64 resolution after {iterations} iterations"
+        how = "the loss is flat or not smooth near t* (ReLU kinks: a minimum there need not"
+        how += " have a zero gradient); a smooth activation or a last-layer subspace helps"
     warnings.warn(
         f"fit: the MAP search did not converge: largest gradient entry {reached:.3g} > "
         f"tol={tol:g} ({why}); t* and the posterior around it are approximate. Fix: "
