@@ -124,6 +124,8 @@ _SHAPE_KEEPING = (
     nn.Sigmoid, nn.Softplus, nn.Hardtanh, nn.ReLU6, nn.PReLU, nn.Softmax, nn.LogSoftmax,
 )
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: layers of an MLP, which maps rows (N, F) to rows (N, O)
+_ROW_WISE = (nn.Linear, nn.BatchNorm1d, nn.LayerNorm, nn.Bilinear)
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
@@ -167,7 +169,7 @@ def net_spec(net: nn.Module) -> NetSpec:
     first = layers[0]
     if isinstance(first, nn.Linear) and not isinstance(first, nn.LazyLinear):
         spec.in_kind, spec.in_width = "linear", first.in_features
-        if not any(isinstance(m, nn.Flatten) for m in layers):  # outputs (N, O) need x (N, F)
+        if all(isinstance(m, _ROW_WISE) for m in layers):  # an MLP: outputs (N, O) need x (N, F)
             spec.in_ndim = 2
     elif isinstance(first, _CONVS) and not isinstance(first, nn.modules.lazy.LazyModuleMixin):
         spec.in_kind, spec.in_width = "conv", first.in_channels

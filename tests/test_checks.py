@@ -105,6 +105,14 @@ def test_net_spec_reads_structure_without_calling():
     assert (ck.net_spec(flat).in_kind, ck.net_spec(flat).in_width) == ("flatten", 12)
     assert net.calls == 0
 
+    class Rows(nn.Module):  # an unknown layer: x need not be 2-D any more
+        def forward(self, x):
+            return x.flatten(1)
+
+    seq = nn.Sequential(nn.Linear(3, 4), Rows(), nn.Linear(8, 2))
+    assert ck.net_spec(seq).in_ndim is None
+    assert ck.check_data(seq, torch.randn(5, 2, 3)) == 5
+
 
 def test_data_check_messages_say_the_fix():
     net = mlp()
