@@ -68,7 +68,8 @@ def Laplace(  # noqa: N802 (a factory named like laplace-torch's)
         raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
     check_likelihood(likelihood)
     _check_lambda(prior_precision), check_temperature(temperature)
-    ck.choice(hessian_structure, "hessian_structure", STRUCTURES), ck.positive_int(chunk_size, "chunk_size")
+    ck.choice(hessian_structure, "hessian_structure", STRUCTURES)
+    ck.positive_int(chunk_size, "chunk_size")
     if isinstance(subset_of_weights, Subspace):
         sub = subset_of_weights
     elif isinstance(subset_of_weights, torch.Tensor):
