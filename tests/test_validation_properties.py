@@ -22,7 +22,11 @@ import pyro_subspace as ps
 from pyro_subspace import infer, likelihoods, subspaces
 
 FAST = settings(
-    max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=15,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 D_IN = 3
 
