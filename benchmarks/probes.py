@@ -173,7 +173,11 @@ def build() -> None:
         ("prior_mean 'one'", {"prior_mean": "one"}, "prior_mean"),
         ("subsample_size 0", {"subsample_size": 0}, "subsample_size"),
         ("likelihood a string", {"likelihood": "gaussian"}, "likelihood"),
-        ("subspace of another net", {"subspace": subspaces.random(reg_net(width=5), 2)}, "subspace"),
+        (
+            "subspace of another net",
+            {"subspace": subspaces.random(reg_net(width=5), 2)},
+            "subspace",
+        ),
     ]:
         kwargs = {"subspace": sub, "likelihood": gauss, **kw}
         probe("SubspaceNet(...)", what, arg, lambda kwargs=kwargs: ps.SubspaceNet(net, **kwargs))
@@ -196,27 +200,47 @@ def build() -> None:
         ("swa_epochs 2 without collector", {"swa_epochs": 2}, "collector"),
     ]:
         probe("fit_map", what, arg, lambda kw=kw: fm(X, Y, **kw))
-    probe("fit_map", "likelihood None", "likelihood",
-          lambda: ps.fit_map(reg_net(), None, X, Y, epochs=1, progress=False))
+    probe(
+        "fit_map",
+        "likelihood None",
+        "likelihood",
+        lambda: ps.fit_map(reg_net(), None, X, Y, epochs=1, progress=False),
+    )
     probe("fit_map", "y None", "y", lambda: ps.fit_map(reg_net(), gauss, X, None, progress=False))
 
     # fit_curve
     n0 = reg_net(0)
     w0, w1 = ps.FlatNet(n0).vector(), ps.FlatNet(reg_net(1)).vector()
-    data_probes("fit_curve", lambda x, y: subspaces.fit_curve(n0, gauss, x, y, w0, w1, epochs=1,
-                                                              progress=False))
-    probe("fit_curve", "w1 wrong length", "w1",
-          lambda: subspaces.fit_curve(n0, gauss, X, Y, w0, w1[:-1], epochs=1, progress=False))
-    probe("fit_curve", "epochs 0", "epochs",
-          lambda: subspaces.fit_curve(n0, gauss, X, Y, w0, w1, epochs=0, progress=False))
+    data_probes(
+        "fit_curve",
+        lambda x, y: subspaces.fit_curve(n0, gauss, x, y, w0, w1, epochs=1, progress=False),
+    )
+    probe(
+        "fit_curve",
+        "w1 wrong length",
+        "w1",
+        lambda: subspaces.fit_curve(n0, gauss, X, Y, w0, w1[:-1], epochs=1, progress=False),
+    )
+    probe(
+        "fit_curve",
+        "epochs 0",
+        "epochs",
+        lambda: subspaces.fit_curve(n0, gauss, X, Y, w0, w1, epochs=0, progress=False),
+    )
 
     # NUTS / HMC through the model
     def nuts(x, y):
         MCMC(NUTS(model_reg()), num_samples=2, warmup_steps=1, disable_progbar=True).run(x, y)
 
     data_probes("MCMC(NUTS(SubspaceNet))", nuts)
-    probe("MCMC(HMC(SubspaceNet))", "x float64", "x", lambda: MCMC(
-        HMC(model_reg()), num_samples=2, warmup_steps=1, disable_progbar=True).run(X.double(), Y))
+    probe(
+        "MCMC(HMC(SubspaceNet))",
+        "x float64",
+        "x",
+        lambda: MCMC(HMC(model_reg()), num_samples=2, warmup_steps=1, disable_progbar=True).run(
+            X.double(), Y
+        ),
+    )
 
     # ESS
     def ess(x, y, **kw):
@@ -224,18 +248,37 @@ def build() -> None:
         MCMC(kernel, num_samples=2, warmup_steps=0, disable_progbar=True).run(x, y)
 
     data_probes("MCMC(EllipticalSliceSampler)", ess)
-    probe("MCMC(EllipticalSliceSampler)", "chunk_size 0", "chunk_size", lambda: ess(X, Y, chunk_size=0))
-    probe("MCMC(EllipticalSliceSampler)", "max_shrinks -1", "max_shrinks",
-          lambda: ess(X, Y, max_shrinks=-1))
+    probe(
+        "MCMC(EllipticalSliceSampler)",
+        "chunk_size 0",
+        "chunk_size",
+        lambda: ess(X, Y, chunk_size=0),
+    )
+    probe(
+        "MCMC(EllipticalSliceSampler)",
+        "max_shrinks -1",
+        "max_shrinks",
+        lambda: ess(X, Y, max_shrinks=-1),
+    )
+
     def minus_inf_model():
         pyro.sample("t", pyro.distributions.Normal(torch.zeros(2), 1.0).to_event(1))
         pyro.factor("lik", torch.tensor(-math.inf))
 
-    probe("MCMC(EllipticalSliceSampler)", "-inf likelihood at the start", "model",
-          lambda: MCMC(infer.EllipticalSliceSampler(minus_inf_model), num_samples=2,
-                       disable_progbar=True).run())
-    probe("MCMC(EllipticalSliceSampler)", "model a string", "model",
-          lambda: infer.EllipticalSliceSampler("model"))
+    probe(
+        "MCMC(EllipticalSliceSampler)",
+        "-inf likelihood at the start",
+        "model",
+        lambda: MCMC(
+            infer.EllipticalSliceSampler(minus_inf_model), num_samples=2, disable_progbar=True
+        ).run(),
+    )
+    probe(
+        "MCMC(EllipticalSliceSampler)",
+        "model a string",
+        "model",
+        lambda: infer.EllipticalSliceSampler("model"),
+    )
 
     # Laplace: the guide and the front door
     def lap_fit(x, y, **kw):
@@ -244,12 +287,24 @@ def build() -> None:
     data_probes("AutoSubspaceLaplace.fit", lap_fit)
     probe("AutoSubspaceLaplace.fit", "max_iter 0", "max_iter", lambda: lap_fit(X, Y, max_iter=0))
     probe("AutoSubspaceLaplace.fit", "tol nan", "tol", lambda: lap_fit(X, Y, tol=math.nan))
-    probe("AutoSubspaceLaplace(...)", "hessian_structure 'kron'", "hessian_structure",
-          lambda: infer.AutoSubspaceLaplace(model_reg(), hessian_structure="kron"))
-    probe("AutoSubspaceLaplace(...)", "prior_precision -1", "prior_precision",
-          lambda: infer.AutoSubspaceLaplace(model_reg(), prior_precision=-1.0))
-    probe("AutoSubspaceLaplace(...)", "model a net", "model",
-          lambda: infer.AutoSubspaceLaplace(reg_net()))
+    probe(
+        "AutoSubspaceLaplace(...)",
+        "hessian_structure 'kron'",
+        "hessian_structure",
+        lambda: infer.AutoSubspaceLaplace(model_reg(), hessian_structure="kron"),
+    )
+    probe(
+        "AutoSubspaceLaplace(...)",
+        "prior_precision -1",
+        "prior_precision",
+        lambda: infer.AutoSubspaceLaplace(model_reg(), prior_precision=-1.0),
+    )
+    probe(
+        "AutoSubspaceLaplace(...)",
+        "model a net",
+        "model",
+        lambda: infer.AutoSubspaceLaplace(reg_net()),
+    )
 
     data_probes("infer.Laplace(...).fit", lambda x, y: infer.Laplace(reg_net(), gauss).fit(x, y))
     for what, kw, arg in [
@@ -261,26 +316,53 @@ def build() -> None:
         ("subnetwork without n_params", {"subset_of_weights": "subnetwork"}, "n_params"),
     ]:
         probe("infer.Laplace(...)", what, arg, lambda kw=kw: infer.Laplace(reg_net(), gauss, **kw))
-    data_probes("DiagonalLaplace.fit", lambda x, y: infer.DiagonalLaplace(reg_net(), gauss).fit(x, y))
+    data_probes(
+        "DiagonalLaplace.fit", lambda x, y: infer.DiagonalLaplace(reg_net(), gauss).fit(x, y)
+    )
 
     # predictives of a fitted guide
     fitted = infer.AutoSubspaceLaplace(model_reg()).fit(X, Y)
-    data_probes("linearized_predictive", lambda x, y: infer.linearized_predictive(fitted, x),
-                x_only=True)
+    data_probes(
+        "linearized_predictive", lambda x, y: infer.linearized_predictive(fitted, x), x_only=True
+    )
     data_probes("guide.predict", lambda x, y: fitted.predict(x), x_only=True)
-    probe("linearized_predictive", "unfitted guide", "fit",
-          lambda: infer.linearized_predictive(infer.AutoSubspaceLaplace(model_reg()), X))
-    probe("linearized_predictive", "guide an AutoNormal", "guide", lambda: infer.linearized_predictive(
-        pyro.infer.autoguide.AutoNormal(model_reg()), X))
-    probe("linearized_predictive", "link_approx 'logit'", "link_approx",
-          lambda: infer.linearized_predictive(fitted, X, link_approx="logit"))
-    probe("linearized_predictive", "num_samples 0", "num_samples",
-          lambda: infer.linearized_predictive(fitted, X, num_samples=0))
-    probe("linearized_predictive", "chunk_size 0", "chunk_size",
-          lambda: infer.linearized_predictive(fitted, X, chunk_size=0))
+    probe(
+        "linearized_predictive",
+        "unfitted guide",
+        "fit",
+        lambda: infer.linearized_predictive(infer.AutoSubspaceLaplace(model_reg()), X),
+    )
+    probe(
+        "linearized_predictive",
+        "guide an AutoNormal",
+        "guide",
+        lambda: infer.linearized_predictive(pyro.infer.autoguide.AutoNormal(model_reg()), X),
+    )
+    probe(
+        "linearized_predictive",
+        "link_approx 'logit'",
+        "link_approx",
+        lambda: infer.linearized_predictive(fitted, X, link_approx="logit"),
+    )
+    probe(
+        "linearized_predictive",
+        "num_samples 0",
+        "num_samples",
+        lambda: infer.linearized_predictive(fitted, X, num_samples=0),
+    )
+    probe(
+        "linearized_predictive",
+        "chunk_size 0",
+        "chunk_size",
+        lambda: infer.linearized_predictive(fitted, X, chunk_size=0),
+    )
     probe("guide.sample_weights", "num_samples 0", "num_samples", lambda: fitted.sample_weights(0))
-    probe("Predictive(model, guide)", "x float64", "x",
-          lambda: Predictive(fitted.model, guide=fitted, num_samples=2)(X.double()))
+    probe(
+        "Predictive(model, guide)",
+        "x float64",
+        "x",
+        lambda: Predictive(fitted.model, guide=fitted, num_samples=2)(X.double()),
+    )
 
     # MoLA
     nets_c = [cls_net(0), cls_net(1)]
@@ -301,18 +383,34 @@ def build() -> None:
     fitted_mola = mola().fit(X, YC)
     data_probes("MixtureOfLaplace.predict", lambda x, y: fitted_mola.predict(x), x_only=True)
     probe("MixtureOfLaplace.predict", "unfitted", "fit", lambda: mola().predict(X))
-    probe("MixtureOfLaplace.predict", "method 'exact'", "method",
-          lambda: fitted_mola.predict(X, method="exact"))
+    probe(
+        "MixtureOfLaplace.predict",
+        "method 'exact'",
+        "method",
+        lambda: fitted_mola.predict(X, method="exact"),
+    )
 
     # ensembles and SWAG
     de = infer.DeepEnsemble([reg_net(0), reg_net(1)], gauss)
     data_probes("DeepEnsemble.predict", lambda x, y: de.predict(x), x_only=True)
-    data_probes("train_ensemble", lambda x, y: infer.train_ensemble(
-        reg_net, gauss, x, y, n_members=2, epochs=1, progress=False))
-    probe("train_ensemble", "n_members 0", "n_members",
-          lambda: infer.train_ensemble(reg_net, gauss, X, Y, n_members=0, progress=False))
-    probe("train_ensemble", "seeds [1, 1]", "seeds",
-          lambda: infer.train_ensemble(reg_net, gauss, X, Y, seeds=[1, 1], progress=False))
+    data_probes(
+        "train_ensemble",
+        lambda x, y: infer.train_ensemble(
+            reg_net, gauss, x, y, n_members=2, epochs=1, progress=False
+        ),
+    )
+    probe(
+        "train_ensemble",
+        "n_members 0",
+        "n_members",
+        lambda: infer.train_ensemble(reg_net, gauss, X, Y, n_members=0, progress=False),
+    )
+    probe(
+        "train_ensemble",
+        "seeds [1, 1]",
+        "seeds",
+        lambda: infer.train_ensemble(reg_net, gauss, X, Y, seeds=[1, 1], progress=False),
+    )
     snet = reg_net()
     col = subspaces.SWACollector(snet)
     ps.fit_map(snet, gauss, X, Y, epochs=1, swa_epochs=3, collector=col, progress=False)
@@ -324,7 +422,9 @@ def build() -> None:
     def patched(**kw):
         return ps.PatchedNet(cls_net(), cat, **{"n_components": 2, **kw})
 
-    data_probes("PatchedNet.fit", lambda x, y: patched().fit(x, y, epochs=1, batch_size=4), task="cls")
+    data_probes(
+        "PatchedNet.fit", lambda x, y: patched().fit(x, y, epochs=1, batch_size=4), task="cls"
+    )
     pn = patched()
     data_probes("PatchedNet.predictive_mean", lambda x, y: pn.predictive_mean(x, 2), x_only=True)
     for what, kw, arg in [
@@ -352,8 +452,11 @@ def build() -> None:
         ("indices floats", {"strategy": "indices", "indices": [0.5, 1.5]}, "indices"),
         ("n_params 0", {"strategy": "magnitude", "n_params": 0}, "n_params"),
         ("strategy 'best'", {"strategy": "best", "n_params": 3}, "strategy"),
-        ("prior_precision -1", {"n_params": 3, "likelihood": gauss, "x": X, "prior_precision": -1.0},
-         "prior_precision"),
+        (
+            "prior_precision -1",
+            {"n_params": 3, "likelihood": gauss, "x": X, "prior_precision": -1.0},
+            "prior_precision",
+        ),
         ("diag_laplace without x", {"n_params": 3, "likelihood": gauss}, "likelihood"),
     ]:
         probe("subnetwork(...)", what, arg, lambda kw=kw: subspaces.subnetwork(net_s, **kw))
@@ -372,11 +475,20 @@ def build() -> None:
         probe("likelihoods.Gaussian(...)", what, arg, lambda kw=kw: likelihoods.Gaussian(**kw))
 
     # convert, datasets, CLI
-    probe("to_inference_data", "MCMC that never ran", "mcmc", lambda: to_inference_data(
-        MCMC(NUTS(model_reg()), num_samples=2)))
-    probe("to_inference_data", "draws_per_chunk 0", "draws_per_chunk",
-          lambda: to_inference_data(samples={"t": torch.zeros(3, 2)}, model=model_reg(),
-                                    args=(X, Y), draws_per_chunk=0))
+    probe(
+        "to_inference_data",
+        "MCMC that never ran",
+        "mcmc",
+        lambda: to_inference_data(MCMC(NUTS(model_reg()), num_samples=2)),
+    )
+    probe(
+        "to_inference_data",
+        "draws_per_chunk 0",
+        "draws_per_chunk",
+        lambda: to_inference_data(
+            samples={"t": torch.zeros(3, 2)}, model=model_reg(), args=(X, Y), draws_per_chunk=0
+        ),
+    )
     tmp = tempfile.mkdtemp()
     csvs = {
         "duplicated column": "a,a,y\n1,2,3\n4,5,6\n",
@@ -389,24 +501,57 @@ def build() -> None:
         with open(path, "w") as fh:
             fh.write(text)
         probe("datasets.from_csv", what, "path", lambda path=path: datasets.from_csv(path, "y"))
-        probe("CLI --csv", what, "--csv", lambda path=path: ps.cli.execute(
-            ["fit", "--dataset", "csv", "--csv", path, "--target", "y", "--no-progress"]))
+        probe(
+            "CLI --csv",
+            what,
+            "--csv",
+            lambda path=path: ps.cli.execute(
+                ["fit", "--dataset", "csv", "--csv", path, "--target", "y", "--no-progress"]
+            ),
+        )
     path = os.path.join(tmp, "ok.csv")
     with open(path, "w") as fh:
         fh.write("a,b,y\n1,2,3\n4,5,6\n7,8,9\n")
     probe("datasets.from_csv", "target missing", "target", lambda: datasets.from_csv(path, "z"))
-    probe("datasets.from_csv", "features duplicated", "features",
-          lambda: datasets.from_csv(path, "y", features=["a", "a"]))
-    probe("datasets.from_csv", "test_fraction 1.5", "test_fraction",
-          lambda: datasets.from_csv(path, "y", test_fraction=1.5))
-    for flags in (["--prior-scale", "-1"], ["--temperature", "-1"], ["--rank", "0"],
-                  ["--swa-lr", "-1"], ["--samples", "0"], ["--warmup", "-5"],
-                  ["--weight-decay", "nan"], ["--epochs", "-1"], ["--seed", "-1"],
-                  ["--lr", "inf"], ["--hidden", "0"], ["--max-snapshots", "0"]):
-        probe("CLI fit", " ".join(flags), flags[0], lambda flags=flags: ps.cli.execute(["fit", *flags]))
+    probe(
+        "datasets.from_csv",
+        "features duplicated",
+        "features",
+        lambda: datasets.from_csv(path, "y", features=["a", "a"]),
+    )
+    probe(
+        "datasets.from_csv",
+        "test_fraction 1.5",
+        "test_fraction",
+        lambda: datasets.from_csv(path, "y", test_fraction=1.5),
+    )
+    for flags in (
+        ["--prior-scale", "-1"],
+        ["--temperature", "-1"],
+        ["--rank", "0"],
+        ["--swa-lr", "-1"],
+        ["--samples", "0"],
+        ["--warmup", "-5"],
+        ["--weight-decay", "nan"],
+        ["--epochs", "-1"],
+        ["--seed", "-1"],
+        ["--lr", "inf"],
+        ["--hidden", "0"],
+        ["--max-snapshots", "0"],
+    ):
+        probe(
+            "CLI fit",
+            " ".join(flags),
+            flags[0],
+            lambda flags=flags: ps.cli.execute(["fit", *flags]),
+        )
     for flags in (["--drop-prob", "2"], ["--components", "1"], ["--batch-size", "0"]):
-        probe("CLI patch", " ".join(flags), flags[0],
-              lambda flags=flags: ps.cli.execute(["patch", *flags]))
+        probe(
+            "CLI patch",
+            " ".join(flags),
+            flags[0],
+            lambda flags=flags: ps.cli.execute(["patch", *flags]),
+        )
 
 
 def main() -> int:
@@ -427,9 +572,14 @@ def main() -> int:
     for entry, c in rows.items():
         total.update(c)
         print(f"{entry:<{width}}  {sum(c.values()):>6}  " + "  ".join(f"{c[k]:>10}" for k in cols))
-    print(f"{'TOTAL':<{width}}  {sum(total.values()):>6}  " + "  ".join(f"{total[k]:>10}" for k in cols))
-    print("\nnamed = ValueError/TypeError (RuntimeError for an unfitted object) from pyro_subspace "
-          "naming the argument, with 0 forward passes before it")
+    print(
+        f"{'TOTAL':<{width}}  {sum(total.values()):>6}  "
+        + "  ".join(f"{total[k]:>10}" for k in cols)
+    )
+    print(
+        "\nnamed = ValueError/TypeError (RuntimeError for an unfitted object) from pyro_subspace "
+        "naming the argument, with 0 forward passes before it"
+    )
     if bad:
         print("\nnot named before work:")
         print("\n".join(bad))

@@ -102,12 +102,16 @@ def check_tensor(
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
     if floating is True and not value.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor, got dtype {value.dtype}")
-    if floating is False and (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+    if floating is False and (
+        value.is_floating_point() or value.is_complex() or value.dtype == torch.bool
+    ):
         raise TypeError(f"{name}: expected an integer tensor, got dtype {value.dtype}")
     if ndim is not None:
         dims = (ndim,) if isinstance(ndim, int) else ndim
         if value.dim() not in dims:
-            raise ValueError(f"{name}: expected {ndim} dimension(s), got shape {tuple(value.shape)}")
+            raise ValueError(
+                f"{name}: expected {ndim} dimension(s), got shape {tuple(value.shape)}"
+            )
     if nonempty and value.numel() == 0:
         raise ValueError(f"{name}: expected a non-empty tensor, got shape {tuple(value.shape)}")
     if finite and value.is_floating_point() and not bool(torch.isfinite(value).all()):
@@ -119,11 +123,32 @@ def check_tensor(
 
 #: modules that keep the shape of their input: skipped when reading a net's first/last layer.
 _SHAPE_KEEPING = (
-    nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
-    nn.ReLU, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh,
-    nn.Sigmoid, nn.Softplus, nn.Hardtanh, nn.ReLU6, nn.PReLU, nn.Softmax, nn.LogSoftmax,
+    nn.Identity,
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.ReLU,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.SELU,
+    nn.CELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Softplus,
+    nn.Hardtanh,
+    nn.ReLU6,
+    nn.PReLU,
+    nn.Softmax,
+    nn.LogSoftmax,
 )
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: layers of an MLP, which maps rows (N, F) to rows (N, O)
+_ROW_WISE = (nn.Linear, nn.BatchNorm1d, nn.LayerNorm, nn.Bilinear)
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
@@ -167,7 +192,7 @@ def net_spec(net: nn.Module) -> NetSpec:
     first = layers[0]
     if isinstance(first, nn.Linear) and not isinstance(first, nn.LazyLinear):
         spec.in_kind, spec.in_width = "linear", first.in_features
-        if not any(isinstance(m, nn.Flatten) for m in layers):  # outputs (N, O) need x (N, F)
+        if all(isinstance(m, _ROW_WISE) for m in layers):  # an MLP: outputs (N, O) need x (N, F)
             spec.in_ndim = 2
     elif isinstance(first, _CONVS) and not isinstance(first, nn.modules.lazy.LazyModuleMixin):
         spec.in_kind, spec.in_width = "conv", first.in_channels
@@ -209,11 +234,17 @@ def check_inputs(
     for an empty or non-finite ``x``, another device, or a width/ndim the network does not take.
     """
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor of shape (N, ...), got {type(x).__name__}")
+        raise TypeError(
+            f"{name}: expected a torch.Tensor of shape (N, ...), got {type(x).__name__}"
+        )
     if x.dim() == 0 or x.shape[0] == 0:
-        raise ValueError(f"{name}: expected at least one input row (N, ...), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name}: expected at least one input row (N, ...), got shape {tuple(x.shape)}"
+        )
     if x.is_complex() or x.dtype == torch.bool:
-        raise TypeError(f"{name}: expected real-valued inputs, got dtype {x.dtype}; call {name}.float()")
+        raise TypeError(
+            f"{name}: expected real-valued inputs, got dtype {x.dtype}; call {name}.float()"
+        )
     if x.is_floating_point() and not _all_finite(x):
         raise ValueError(f"{name}: contains NaN or inf; remove or impute those rows")
     if net is None:
@@ -228,15 +259,17 @@ def check_inputs(
         )
     if spec.in_kind == "embedding":
         if x.is_floating_point():
-            raise TypeError(f"{name}: the network starts with an Embedding and needs integer "
-                            f"indices, got dtype {x.dtype}; call {name}.long()")
-        return x.shape[0]
-    if spec.dtype is not None and x.dtype != spec.dtype:
-        if x.is_floating_point() or spec.in_kind is not None:
             raise TypeError(
-                f"{name}: is {str(x.dtype).replace('torch.', '')} but the network is "
-                f"{str(spec.dtype).replace('torch.', '')}: call {_fix_dtype(x.dtype, spec.dtype)}"
+                f"{name}: the network starts with an Embedding and needs integer "
+                f"indices, got dtype {x.dtype}; call {name}.long()"
             )
+        return x.shape[0]
+    mismatch = spec.dtype is not None and x.dtype != spec.dtype
+    if mismatch and (x.is_floating_point() or spec.in_kind is not None):
+        raise TypeError(
+            f"{name}: is {str(x.dtype).replace('torch.', '')} but the network is "
+            f"{str(spec.dtype).replace('torch.', '')}: call {_fix_dtype(x.dtype, spec.dtype)}"
+        )
     shape = tuple(x.shape)
     if spec.in_kind == "linear":
         w = spec.in_width
@@ -264,12 +297,11 @@ def check_inputs(
                 f"{name}: expected {spec.in_width} channels in dimension 1 "
                 f"(N, {spec.in_width}, ...), got shape {shape}"
             )
-    elif spec.in_kind == "flatten":
-        if x.dim() < 2 or math.prod(shape[1:]) != spec.in_width:
-            raise ValueError(
-                f"{name}: each row must flatten to {spec.in_width} values for the network, got "
-                f"shape {shape}"
-            )
+    elif spec.in_kind == "flatten" and (x.dim() < 2 or math.prod(shape[1:]) != spec.in_width):
+        raise ValueError(
+            f"{name}: each row must flatten to {spec.in_width} values for the network, got "
+            f"shape {shape}"
+        )
     return x.shape[0]
 
 
@@ -303,7 +335,9 @@ def check_data(
         return len(x.dataset)
     if isinstance(x, Dataset):
         if y is not None:
-            raise ValueError(f"{y_name}: give either a Dataset/DataLoader or (x, y) tensors, not both")
+            raise ValueError(
+                f"{y_name}: give either a Dataset/DataLoader or (x, y) tensors, not both"
+            )
         try:
             n = len(x)
         except TypeError:
@@ -315,8 +349,15 @@ def check_data(
             raise ValueError(f"{x_name}: the Dataset must yield (x_n, y_n) pairs")
         xn, yn = item
         if isinstance(xn, torch.Tensor) and isinstance(yn, torch.Tensor):
-            check_data(net, xn.unsqueeze(0), yn.unsqueeze(0), likelihood, x_name=x_name,
-                       y_name=y_name, dtype=dtype)
+            check_data(
+                net,
+                xn.unsqueeze(0),
+                yn.unsqueeze(0),
+                likelihood,
+                x_name=x_name,
+                y_name=y_name,
+                dtype=dtype,
+            )
         return n
     spec = net_spec(net) if net is not None else None
     n = check_inputs(net, x, x_name, spec, dtype)
@@ -327,14 +368,18 @@ def check_data(
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"{y_name}: expected a torch.Tensor of {n} targets, got {type(y).__name__}")
     if y.dim() == 0 or y.shape[0] != n:
-        raise ValueError(f"{y_name}: expected {n} targets to match {x_name}, got shape {tuple(y.shape)}")
+        raise ValueError(
+            f"{y_name}: expected {n} targets to match {x_name}, got shape {tuple(y.shape)}"
+        )
     if y.is_complex():
         raise TypeError(f"{y_name}: expected real targets, got dtype {y.dtype}")
     if y.is_floating_point() and not bool(torch.isfinite(y).all()):
         raise ValueError(f"{y_name}: contains NaN or inf; remove or impute those rows")
     if spec is not None and spec.device is not None and y.device != spec.device:
-        raise ValueError(f"{y_name}: is on {y.device} but the network is on {spec.device}; "
-                         f"call {y_name}.to({str(spec.device)!r})")
+        raise ValueError(
+            f"{y_name}: is on {y.device} but the network is on {spec.device}; "
+            f"call {y_name}.to({str(spec.device)!r})"
+        )
     if likelihood is not None:
         o = spec.out_width if spec is not None else None
         if o is not None:

@@ -105,6 +105,14 @@ def test_net_spec_reads_structure_without_calling():
     assert (ck.net_spec(flat).in_kind, ck.net_spec(flat).in_width) == ("flatten", 12)
     assert net.calls == 0
 
+    class Rows(nn.Module):  # an unknown layer: x need not be 2-D any more
+        def forward(self, x):
+            return x.flatten(1)
+
+    seq = nn.Sequential(nn.Linear(3, 4), Rows(), nn.Linear(8, 2))
+    assert ck.net_spec(seq).in_ndim is None
+    assert ck.check_data(seq, torch.randn(5, 2, 3)) == 5
+
 
 def test_data_check_messages_say_the_fix():
     net = mlp()
@@ -115,8 +123,9 @@ def test_data_check_messages_say_the_fix():
     assert "x.reshape(-1, 3)" in msg
     raises_named(ValueError, "x", lambda: ck.check_data(net, x[:, :2]), net, "takes 3")
     conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
-    raises_named(ValueError, "x", lambda: ck.check_data(conv, torch.randn(2, 1, 5, 5)), None,
-                 "3 channels")
+    raises_named(
+        ValueError, "x", lambda: ck.check_data(conv, torch.randn(2, 1, 5, 5)), None, "3 channels"
+    )
     # any other module: dtype, device and finiteness only (its call order is unknown)
     assert ck.check_data(nn.Linear(3, 1), torch.randn(4, 7)) == 4
 
@@ -164,12 +173,25 @@ def test_fit_map_checks_before_training(data):
     net = mlp()
     w = ps.FlatNet(net).vector().clone()
     lik = likelihoods.Gaussian(0.1)
-    raises_named(TypeError, "x", lambda: ps.fit_map(net, lik, x.double(), y, progress=False), net,
-                 "x.float()")
-    raises_named(ValueError, "weight_decay",
-                 lambda: ps.fit_map(net, lik, x, y, weight_decay=math.nan, progress=False), net)
-    raises_named(ValueError, "collector",
-                 lambda: ps.fit_map(net, lik, x, y, swa_epochs=2, progress=False), net)
+    raises_named(
+        TypeError,
+        "x",
+        lambda: ps.fit_map(net, lik, x.double(), y, progress=False),
+        net,
+        "x.float()",
+    )
+    raises_named(
+        ValueError,
+        "weight_decay",
+        lambda: ps.fit_map(net, lik, x, y, weight_decay=math.nan, progress=False),
+        net,
+    )
+    raises_named(
+        ValueError,
+        "collector",
+        lambda: ps.fit_map(net, lik, x, y, swa_epochs=2, progress=False),
+        net,
+    )
     assert torch.equal(ps.FlatNet(net).vector(), w)
 
 
@@ -177,8 +199,14 @@ def test_fit_curve_checks_end_points(data):
     x, y = data
     net = mlp()
     w0 = ps.FlatNet(net).vector()
-    raises_named(ValueError, "w1", lambda: subspaces.fit_curve(
-        net, likelihoods.Gaussian(0.1), x, y, w0, w0[:-1], epochs=1, progress=False), net)
+    raises_named(
+        ValueError,
+        "w1",
+        lambda: subspaces.fit_curve(
+            net, likelihoods.Gaussian(0.1), x, y, w0, w0[:-1], epochs=1, progress=False
+        ),
+        net,
+    )
 
 
 def test_constructors_reject_what_fails_later():
@@ -211,10 +239,12 @@ def test_laplace_fit_and_predictive_check_x(data):
     guide.fit(x, y, max_iter=5)
     net.calls = 0
     raises_named(ValueError, "x", lambda: infer.linearized_predictive(guide, x[:, :2]), net)
-    raises_named(ValueError, "chunk_size",
-                 lambda: infer.linearized_predictive(guide, x, chunk_size=0), net)
-    raises_named(ValueError, "num_samples",
-                 lambda: infer.linearized_predictive(guide, x, num_samples=0), net)
+    raises_named(
+        ValueError, "chunk_size", lambda: infer.linearized_predictive(guide, x, chunk_size=0), net
+    )
+    raises_named(
+        ValueError, "num_samples", lambda: infer.linearized_predictive(guide, x, num_samples=0), net
+    )
     auto = pyro.infer.autoguide.AutoNormal(model)
     raises_named(TypeError, "guide", lambda: infer.linearized_predictive(auto, x), net)
 
@@ -244,8 +274,12 @@ def test_patched_net_and_ggn_eigen_check_x(data):
     net.calls = 0
     raises_named(ValueError, "x", lambda: pn.predictive_mean(x[:, :2], 2), net)
     raises_named(TypeError, "x", lambda: pn.predictive_mean(x.double(), 2), net)
-    raises_named(ValueError, "x", lambda: subspaces.ggn_eigen(
-        net, likelihoods.Categorical(), x[:, 0], 2), net)
+    raises_named(
+        ValueError,
+        "x",
+        lambda: subspaces.ggn_eigen(net, likelihoods.Categorical(), x[:, 0], 2),
+        net,
+    )
 
 
 @pytest.mark.parametrize(
@@ -265,6 +299,7 @@ def test_cli_numeric_flags_are_usage_errors(usage_error, argv):
 def test_cli_bad_csv_is_a_usage_error(usage_error, tmp_path):
     path = tmp_path / "dup.csv"
     path.write_text("a,a,y\n1,2,3\n4,5,6\n7,8,9\n")
-    err = usage_error(["fit", "--dataset", "csv", "--csv", str(path), "--target", "y",
-                       "--no-progress"])
+    err = usage_error(
+        ["fit", "--dataset", "csv", "--csv", str(path), "--target", "y", "--no-progress"]
+    )
     assert "duplicated column names" in err and "Traceback" not in err

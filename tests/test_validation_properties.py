@@ -21,8 +21,13 @@ from torch import nn
 import pyro_subspace as ps
 from pyro_subspace import infer, likelihoods, subspaces
 
-FAST = settings(max_examples=15, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(
+    max_examples=15,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 D_IN = 3
 
 
@@ -98,8 +103,17 @@ def entry_points():
         net = mlp()
         return (lambda: subspaces.subnetwork(net, 3, "diag_laplace", likelihood=GAUSS, x=x)), [net]
 
-    for f in (model_call, fit_map_call, laplace_fit, ess_likelihood, predictive, ensemble,
-              patched, eigen, select):
+    for f in (
+        model_call,
+        fit_map_call,
+        laplace_fit,
+        ess_likelihood,
+        predictive,
+        ensemble,
+        patched,
+        eigen,
+        select,
+    ):
         out[f.__name__] = f
     return out
 
@@ -118,8 +132,19 @@ def bad_inputs(draw):
         shape = draw(st.sampled_from([(n,), (n, 1, D_IN), (n, D_IN, 1), (1, n, D_IN)]))
         return torch.randn(shape), shape[0]
     if kind == "dtype":
-        dtype = draw(st.sampled_from([torch.float64, torch.float16, torch.int64, torch.int32,
-                                      torch.uint8, torch.bool, torch.complex64]))
+        dtype = draw(
+            st.sampled_from(
+                [
+                    torch.float64,
+                    torch.float16,
+                    torch.int64,
+                    torch.int32,
+                    torch.uint8,
+                    torch.bool,
+                    torch.complex64,
+                ]
+            )
+        )
         return torch.ones(n, D_IN).to(dtype), n
     if kind == "nonfinite":
         x = torch.randn(n, D_IN)
@@ -178,12 +203,19 @@ def test_bad_y_is_named_before_any_forward_pass(entry, y):
 
 
 NOT_POSITIVE_INT = st.one_of(
-    st.integers(max_value=0), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=2), st.booleans(), st.just([1]),
+    st.integers(max_value=0),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=2),
+    st.booleans(),
+    st.just([1]),
 )
 NOT_POSITIVE_FLOAT = st.one_of(
-    st.floats(max_value=0.0), st.just(math.nan), st.just(math.inf), st.text(max_size=2),
-    st.booleans(), st.just([1.0]),
+    st.floats(max_value=0.0),
+    st.just(math.nan),
+    st.just(math.inf),
+    st.text(max_size=2),
+    st.booleans(),
+    st.just([1.0]),
 )
 
 
@@ -191,23 +223,28 @@ def _scalar_calls():
     net = mlp()
     model = ps.SubspaceNet(net, subspaces.random(net, 2, seed=0), GAUSS)
     guide, gnet = fitted()["guide"]
-    return net, gnet, {
-        "batch_size": lambda v: ps.fit_map(net, GAUSS, X, Y, batch_size=v, progress=False),
-        "max_iter": lambda v: infer.AutoSubspaceLaplace(model).fit(X, Y, max_iter=v),
-        "chunk_size": lambda v: infer.AutoSubspaceLaplace(model, chunk_size=v),
-        "num_samples": lambda v: infer.linearized_predictive(guide, X, num_samples=v),
-        "max_shrinks": lambda v: infer.EllipticalSliceSampler(model, max_shrinks=v),
-        "rank": lambda v: subspaces.random(net, v),
-        "subsample_size": lambda v: model(X, Y, subsample_size=v),
-        "n_components": lambda v: ps.PatchedNet(net, GAUSS, n_components=v),
-    }, {
-        "lr": lambda v: ps.fit_map(net, GAUSS, X, Y, lr=v, progress=False),
-        "temperature": lambda v: ps.SubspaceNet(net, model.subspace, GAUSS, temperature=v),
-        "prior_scale": lambda v: ps.SubspaceNet(net, model.subspace, GAUSS, prior_scale=v),
-        "prior_precision": lambda v: infer.Laplace(net, GAUSS, prior_precision=v),
-        "sigma_init": lambda v: likelihoods.Gaussian(sigma_init=v),
-        "tol": lambda v: infer.AutoSubspaceLaplace(model).fit(X, Y, tol=v),
-    }
+    return (
+        net,
+        gnet,
+        {
+            "batch_size": lambda v: ps.fit_map(net, GAUSS, X, Y, batch_size=v, progress=False),
+            "max_iter": lambda v: infer.AutoSubspaceLaplace(model).fit(X, Y, max_iter=v),
+            "chunk_size": lambda v: infer.AutoSubspaceLaplace(model, chunk_size=v),
+            "num_samples": lambda v: infer.linearized_predictive(guide, X, num_samples=v),
+            "max_shrinks": lambda v: infer.EllipticalSliceSampler(model, max_shrinks=v),
+            "rank": lambda v: subspaces.random(net, v),
+            "subsample_size": lambda v: model(X, Y, subsample_size=v),
+            "n_components": lambda v: ps.PatchedNet(net, GAUSS, n_components=v),
+        },
+        {
+            "lr": lambda v: ps.fit_map(net, GAUSS, X, Y, lr=v, progress=False),
+            "temperature": lambda v: ps.SubspaceNet(net, model.subspace, GAUSS, temperature=v),
+            "prior_scale": lambda v: ps.SubspaceNet(net, model.subspace, GAUSS, prior_scale=v),
+            "prior_precision": lambda v: infer.Laplace(net, GAUSS, prior_precision=v),
+            "sigma_init": lambda v: likelihoods.Gaussian(sigma_init=v),
+            "tol": lambda v: infer.AutoSubspaceLaplace(model).fit(X, Y, tol=v),
+        },
+    )
 
 
 INT_ARGS = sorted(_scalar_calls()[2])

@@ -184,7 +184,9 @@ def add_swa_options(g: argparse._ArgumentGroup, what: str) -> None:
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int_at_least(0), default=0, help="seeds data split, init and inference")
+    g.add_argument(
+        "--seed", type=int_at_least(0), default=0, help="seeds data split, init and inference"
+    )
     g.add_argument("--out", type=Path, default=Path("out"), help="directory for the PNG and JSON")
     g.add_argument("--no-progress", action="store_true", help="hide progress bars")
 

@@ -38,7 +38,10 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="K: mixture components per patch (emp, ecmp) or networks (ensemble)",
     )
     g.add_argument(
-        "--drop-prob", type=options.probability, default=0.1, help="dropout: probability of dropping a unit"
+        "--drop-prob",
+        type=options.probability,
+        default=0.1,
+        help="dropout: probability of dropping a unit",
     )
     g.add_argument(
         "--prior-precision",

@@ -25,6 +25,7 @@ from ..likelihoods import Likelihood, check_likelihood
 from ..subspaces.base import Subspace
 from .output_hessian import hessian_factor, output_hessian
 
+
 def _setup(
     net: nn.Module, likelihood: object, x: object, w: torch.Tensor | None, chunk_size: object
 ) -> tuple[FlatNet, torch.Tensor]:

@@ -33,12 +33,12 @@ from pyro.nn import PyroModule
 from pyro.nn.module import pyro_method
 from torch import nn
 
+from .. import _checks
 from ..flat import FlatNet, eval_mode, preserved, train_mode
 from ..likelihoods import Likelihood, check_temperature
 from ..minibatch import minibatch_loop, shuffle_generator
 from .patch_family import PatchFamily, drop_data_dim, plate_batch_shape, positive
-from .. import _checks
-from .subspace_net import _check_inputs, check_data
+from .subspace_net import check_data
 
 __all__ = ["PatchedNet"]
 

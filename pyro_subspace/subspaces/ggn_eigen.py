@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..curvature import ggn_vector_product, lanczos_eigh
 from .. import _checks as ck
+from ..curvature import ggn_vector_product, lanczos_eigh
 from ..flat import FlatNet
 from ..likelihoods import Likelihood, check_likelihood
 from .base import Subspace
@@ -52,7 +52,8 @@ def ggn_eigen(
         carrying the eigenvalues ``γ`` ``(K,)`` (descending) as the buffer ``eigenvalues``.
     """
     check_likelihood(likelihood)
-    ck.positive_int(num_iter, "num_iter", allow_none=True), ck.positive_int(chunk_size, "chunk_size")
+    ck.positive_int(num_iter, "num_iter", allow_none=True)
+    ck.positive_int(chunk_size, "chunk_size")
     ck.check_int(seed, "seed", minimum=0)
     ck.check_data(net, x, dtype=None if w is None else getattr(w, "dtype", None))
     flat = FlatNet(net)
