@@ -9,8 +9,10 @@ from .flat import eval_mode, train_mode
 from .likelihoods import Likelihood
 from .minibatch import minibatch_loop, shuffle_generator
 from .subspaces import SWACollector
+from .threads import thread_policy
 
 
+@thread_policy
 def fit_map(
     net: nn.Module,
     likelihood: Likelihood,

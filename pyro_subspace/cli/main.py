@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..threads import num_threads
 from . import fit, mixture, options, patch, tutorial
 
 #: where the methods of the former single ``--inference`` flag went
@@ -55,7 +56,8 @@ def execute(argv: list[str] | None = None) -> dict | None:
             args.check(args, options.given_options(argv[1:]))
         except options.UsageError as e:
             args.parser.error(str(e))
-    return args.run(args)
+    with num_threads():  # one torch thread on a few cores (PYRO_SUBSPACE_NUM_THREADS)
+        return args.run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

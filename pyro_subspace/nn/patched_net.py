@@ -36,6 +36,7 @@ from torch import nn
 from ..flat import FlatNet, eval_mode, train_mode
 from ..likelihoods import Likelihood, check_temperature
 from ..minibatch import minibatch_loop, shuffle_generator
+from ..threads import thread_policy
 from .patch_family import PatchFamily, drop_data_dim, plate_batch_shape, positive
 from .subspace_net import _check_inputs, check_data
 
@@ -333,6 +334,7 @@ class PatchedNet(PyroModule):
         attribute name of the mean (`PatchFamily.weight_decays`)."""
         return self.family.weight_decays(num_data)
 
+    @thread_policy
     def fit(
         self,
         x: torch.Tensor,

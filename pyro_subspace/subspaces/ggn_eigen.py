@@ -14,9 +14,11 @@ from torch import nn
 from ..curvature import ggn_vector_product, lanczos_eigh
 from ..flat import FlatNet
 from ..likelihoods import Likelihood
+from ..threads import thread_policy
 from .base import Subspace
 
 
+@thread_policy
 def ggn_eigen(
     net: nn.Module,
     likelihood: Likelihood,
