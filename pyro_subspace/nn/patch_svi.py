@@ -121,16 +121,16 @@ def fused_model(model, x: torch.Tensor, y: torch.Tensor | None = None, num_data:
     _check_unbatched()
     like = model._like()
     z = pyro.sample("z", _assignment_law(model, like))
-    scales = torch.cat(
-        [like.new_full((s.numel,), s.precision**-0.5) for s in model.slots]
-    )  # shape: (D,)
-    w = pyro.sample("w", Normal(like.new_zeros(()), scales).to_event(1))
+    w = pyro.sample("w", Normal(like.new_zeros(()), _prior_scales(model, like)).to_event(1))
     weights = {s.name: part.view(s.shape) for s, part in zip(model.slots, _split(model, w))}
-    member = z[0] if model.mode == "ensemble" else None
     n = x.shape[0]
     total = n if num_data is None else num_data
     with pyro.plate("data", total, dim=-1, subsample=torch.arange(n, device=x.device)):
-        out = model.outputs(weights, x, member)
+        if model.mode == "ensemble":  # the member's BatchNorm statistics
+            out = model.outputs(weights, x, z[0])
+        else:
+            out = swapped_forward(model.net, weights, x)
+            out = out.unsqueeze(-1) if out.dim() == 1 else out  # as `PatchedNet.outputs`
         return model.likelihood.observe(out, y, model.temperature)
 
 
@@ -147,6 +147,16 @@ def fused_guide(model, x: torch.Tensor, y: torch.Tensor | None = None, num_data:
     )  # through pyro.param (the model is a PyroModule); shape: (D,)
     d = Delta(loc, event_dim=1) if model.sigma == 0 else Normal(loc, model.sigma).to_event(1)
     return {"z": z_flat, "w": pyro.sample("w", d)}
+
+
+def _prior_scales(model, like: torch.Tensor) -> torch.Tensor:
+    """Prior standard deviations ``τ⁻¹ᐟ²`` of every weight in slot order, ``(D,)``; cached on
+    the family per dtype and device (the slots and their ``τ`` are fixed at construction)."""
+    cache = model.family.__dict__.setdefault("_prior_scales", {})
+    key = (like.dtype, like.device)
+    if key not in cache:
+        cache[key] = torch.cat([like.new_full((s.numel,), s.precision**-0.5) for s in model.slots])
+    return cache[key]
 
 
 def _split(model, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
