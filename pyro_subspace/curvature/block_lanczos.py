@@ -151,8 +151,11 @@ def block_lanczos_eigh(
                 break
         # next block: the residuals of the leading unconverged Ritz pairs (they lie in the block
         # Krylov space), orthogonal to the basis; converged pairs cost no more products
-        pick = s[:, open_[:b]]
-        residuals = images @ pick - (basis @ pick) * values[open_[:b]]
+        if open_.numel() == 0:  # every Ritz pair exact but fewer than k: new random directions
+            residuals = torch.randn(dim, b, generator=gen, dtype=dtype).to(device)
+        else:
+            pick = s[:, open_[:b]]
+            residuals = images @ pick - (basis @ pick) * values[open_[:b]]
         block = orthonormal_block(residuals, basis, max(scale, 1e-300))
     return values, _fix_signs(basis @ s), m
 
