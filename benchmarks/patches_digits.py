@@ -72,13 +72,15 @@ def step_ratios(rounds: int = 7, epochs: int = 5, hidden: int = 128) -> list[str
     for mode in ("emp", "ecmp"):
         pyro.clear_param_store()
         net = bn_mlp(data.n_features, 10, hidden=hidden, seed=0)
-        model = PatchedNet(bn_mlp(data.n_features, 10, hidden=hidden, seed=0), lik, mode=mode,
-                           sigma=0.0, seed=0)
+        patched = bn_mlp(data.n_features, 10, hidden=hidden, seed=0)
+        model = PatchedNet(patched, lik, mode=mode, sigma=0.0, seed=0)
+        train = dict(epochs=epochs, batch_size=128, seed=0)
         runs = {
-            "vanilla": lambda: fit_map(net, lik, x, y, epochs=epochs, lr=1e-3, weight_decay=1 / n,
-                                       batch_size=128, seed=0, progress=False),
-            "fit": lambda: model.fit(x, y, epochs=epochs, batch_size=128, seed=0),
-            "svi": lambda: model.fit(x, y, epochs=epochs, batch_size=128, seed=0, method="svi"),
+            "vanilla": lambda: fit_map(
+                net, lik, x, y, lr=1e-3, weight_decay=1 / n, progress=False, **train
+            ),
+            "fit": lambda: model.fit(x, y, **train),
+            "svi": lambda: model.fit(x, y, method="svi", **train),
         }
         best = dict.fromkeys(runs, float("inf"))
         for run in runs.values():  # warm-up

@@ -101,7 +101,7 @@ def ggn_matrix_product(
     w: torch.Tensor | None = None,
     chunk_size: int = 1024,
 ) -> torch.Tensor:
-    """``G V`` for a block of ``b`` vectors at once, ``V`` of shape ``(D, b)`` (eq. 9 without ``λ``).
+    """``G V`` for a block of ``b`` vectors at once, ``V`` ``(D, b)`` (eq. 9 without ``λ``).
 
     Column ``j`` equals ``ggn_vector_product(net, likelihood, x, V[:, j])``, but each chunk of
     rows takes ONE batched pass: ``vmap`` over the ``b`` tangents of ``jvp`` (``J V``), the output

@@ -200,7 +200,7 @@ class JointOptim(PyroOptim):
 
     def __init__(self, optim_constructor: type, optim_args: dict) -> None:
         if not isinstance(optim_args, dict):
-            raise TypeError(f"optim_args: expected a dict of optimizer settings, got {optim_args!r}")
+            raise TypeError(f"optim_args: expected a dict of settings, got {optim_args!r}")
         super().__init__(optim_constructor, optim_args)
         self._joint: torch.optim.Optimizer | None = None
         self._seen: set[torch.Tensor] = set()
