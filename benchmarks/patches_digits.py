@@ -11,11 +11,15 @@ Over 3 seeds (data split, init, draws), on the clean test set and on digits rota
 30°, 45° and 60° (`benchmarks.ood.rotated_digits`): accuracy, NLL, ECE, MCE (20 bins, bins of
 <= 5 samples dropped, appendix D.2), parameter overhead, and training CPU time relative to
 vanilla (``time.process_time``, one thread, so that other load on the machine does not count).
-Predictions use S = 100 draws; a second table compares S = 1, 20, 100 (Table 7). A last line
-times the same EMP training through Pyro's ``SVI``/``Trace_ELBO`` instead of the equivalent
-plain-torch loss.
+Predictions use S = 100 draws; a second table compares S = 1, 20, 100 (Table 7).
 
-    python benchmarks/patches_digits.py [--epochs 200] [--seeds 3] [--quick]
+A last table (`step_ratios`, also alone with ``--steps-only``) gives the **training step time**
+of EMP and ECMP relative to a vanilla step of the same net (issue 13: ≤ 1.1× with
+`PatchedNet.fit`, ≤ 1.5× through Pyro's ``SVI(Trace_ELBO)``, i.e. ``fit(method="svi")``): wall
+time of a few epochs of `fit_map`, ``fit`` and ``fit(method="svi")`` on the same minibatches,
+interleaved A B C A B C, best of the rounds, one thread.
+
+    python benchmarks/patches_digits.py [--epochs 200] [--seeds 3] [--quick] [--steps-only]
 """
 
 from __future__ import annotations
@@ -46,6 +50,54 @@ def _fmt(values: list[float], pct: bool = False, digits: int = 3) -> str:
     return f"{m:.{digits}f}±{s:.{digits}f}"
 
 
+def step_ratios(rounds: int = 7, epochs: int = 5, hidden: int = 128) -> list[str]:
+    """Per-step wall time of vanilla, ``fit`` and ``fit(method="svi")``, interleaved, best of
+    ``rounds``; returns the table's lines. Every call trains ``epochs`` epochs (12 minibatches
+    of 128 each) from where the previous call of that method left off."""
+    import pyro
+
+    from pyro_subspace import PatchedNet, fit_map, likelihoods
+    from benchmarks.protocols import bn_mlp
+
+    data = datasets.digits(seed=0)
+    x, y, n = data.x_train, data.y_train, data.n_train
+    lik = likelihoods.Categorical()
+    steps = epochs * (n // 128 + (n % 128 >= 2))
+    lines = [
+        f"Training step time, 64-{hidden}-BN-ReLU-{hidden}-BN-ReLU-10, batch 128, sigma=0, "
+        f"best of {rounds} interleaved rounds of {epochs} epochs ({steps} steps), "
+        f"{torch.get_num_threads()} thread",
+        f"{'mode':<6}{'vanilla ms':>12}{'fit ms':>9}{'SVI ms':>9}{'fit/van':>9}{'SVI/van':>9}",
+    ]
+    for mode in ("emp", "ecmp"):
+        pyro.clear_param_store()
+        net = bn_mlp(data.n_features, 10, hidden=hidden, seed=0)
+        patched = bn_mlp(data.n_features, 10, hidden=hidden, seed=0)
+        model = PatchedNet(patched, lik, mode=mode, sigma=0.0, seed=0)
+        train = dict(epochs=epochs, batch_size=128, seed=0)
+        runs = {
+            "vanilla": lambda: fit_map(
+                net, lik, x, y, lr=1e-3, weight_decay=1 / n, progress=False, **train
+            ),
+            "fit": lambda: model.fit(x, y, **train),
+            "svi": lambda: model.fit(x, y, method="svi", **train),
+        }
+        best = dict.fromkeys(runs, float("inf"))
+        for run in runs.values():  # warm-up
+            run()
+        for _ in range(rounds):
+            for name, run in runs.items():
+                t0 = time.perf_counter()
+                run()
+                best[name] = min(best[name], time.perf_counter() - t0)
+        ms = {k: 1000 * v / steps for k, v in best.items()}
+        lines.append(
+            f"{mode:<6}{ms['vanilla']:>12.2f}{ms['fit']:>9.2f}{ms['svi']:>9.2f}"
+            f"{ms['fit'] / ms['vanilla']:>8.2f}x{ms['svi'] / ms['vanilla']:>8.2f}x"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--epochs", type=int, default=200)
@@ -53,12 +105,18 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--samples", type=int, default=100, help="S for the main tables")
     p.add_argument("--prior-precision", type=float, default=1.0)
     p.add_argument("--drop-prob", type=float, default=0.1)
-    p.add_argument("--no-svi", action="store_true", help="skip the SVI timing line")
+    p.add_argument("--no-svi", action="store_true", help="skip the step-time table")
     p.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
+    p.add_argument("--steps-only", action="store_true", help="only the step-time table")
+    p.add_argument("--step-rounds", type=int, default=7, help="rounds of the step-time table")
     args = p.parse_args(argv)
     if args.quick:
-        args.epochs, args.seeds, args.samples = 3, 1, 10
+        args.epochs, args.seeds, args.samples, args.step_rounds = 3, 1, 10, 2
     torch.set_num_threads(1)
+    if args.steps_only:
+        lines = step_ratios(args.step_rounds, epochs=2 if args.quick else 5)
+        print("\n".join(lines))
+        return {"steps": lines}
     t_start = time.perf_counter()
     # results[method][angle] -> list of score dicts over seeds
     results = {m: {a: [] for a in ANGLES} for m in METHODS}
@@ -93,14 +151,9 @@ def main(argv: list[str] | None = None) -> dict:
                 for s in s_table[name]:
                     torch.manual_seed(2000 + seed)
                     s_table[name][s].append(scores(trained.probs(data.x_test, s), data.y_test))
-    svi_ratio = None
+    step_lines = None
     if not args.no_svi:
-        data = datasets.digits(seed=0)
-        epochs = max(1, args.epochs // 4)
-        t_torch = train_method("emp", data, epochs=epochs, seed=0).seconds
-        t_svi = train_method("emp", data, epochs=epochs, seed=0, svi=True).seconds
-        t_van = train_method("vanilla", data, epochs=epochs, seed=0).seconds
-        svi_ratio = (epochs, t_torch / t_van, t_svi / t_van)
+        step_lines = step_ratios(args.step_rounds, epochs=2 if args.quick else 5)
     wide = {}  # per-step overhead is fixed, so the ratio falls as the compute per step grows
     data = datasets.digits(seed=0)
     for name in ("vanilla", "emp", "ecmp"):
@@ -152,15 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{_fmt([x['nll'] for x in r]):>14}{_fmt([x['ece'] for x in r], True, 2):>14}"
                 f"{_fmt([x['mce'] for x in r], True, 1):>14}"
             )
-    if svi_ratio is not None:
-        ep, r_torch, r_svi = svi_ratio
-        lines += [
-            "",
-            (
-                f"EMP training time relative to vanilla, seed 0, {ep} epochs: plain-torch loss "
-                f"{r_torch:.2f}x, Pyro SVI(Trace_ELBO) {r_svi:.2f}x"
-            ),
-        ]
+    if step_lines is not None:
+        lines += ["", *step_lines]
     t_w = wide["vanilla"].seconds
     lines.append(
         f"Training time relative to vanilla, 64-1024-BN-ReLU-1024-BN-ReLU-10, "

@@ -7,6 +7,7 @@ Predictive) runs over the few coordinates ``t`` while the rest stays at a point 
 from . import convert, datasets, infer, likelihoods, metrics, subspaces
 from .exceptions import ConvergenceWarning, TrainingDivergedError
 from .flat import FlatNet
+from .threads import num_threads, set_num_threads
 from .infer import EllipticalSliceSampler
 from .nn import PatchedNet, SubspaceNet
 from .train import fit_map
@@ -26,5 +27,7 @@ __all__ = [
     "infer",
     "likelihoods",
     "metrics",
+    "num_threads",
+    "set_num_threads",
     "subspaces",
 ]

@@ -11,8 +11,10 @@ from .flat import Preserved, eval_mode, preserved, train_mode
 from .likelihoods import Likelihood
 from .minibatch import minibatch_loop, shuffle_generator
 from .subspaces import SWACollector
+from .threads import thread_policy
 
 
+@thread_policy
 def fit_map(
     net: nn.Module,
     likelihood: Likelihood,

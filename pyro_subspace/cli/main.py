@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..threads import num_threads
 from . import fit, mixture, options, patch, tutorial
 
 #: where the methods of the former single ``--inference`` flag went
@@ -56,7 +57,8 @@ def execute(argv: list[str] | None = None) -> dict | None:
         except options.UsageError as e:
             args.parser.error(str(e))
     try:
-        return args.run(args)
+        with num_threads():  # one torch thread on a few cores (PYRO_SUBSPACE_NUM_THREADS)
+            return args.run(args)
     except options.UsageError as e:  # found while running, e.g. a bad --csv file
         args.parser.error(str(e))
 

@@ -2,12 +2,13 @@
 
 - `output_hessian`: ``H_n``, the Hessian of ``−log p(y | f)`` in the outputs (Fisher for the
   heteroscedastic Gaussian).
-- `ggn_vector_product`: ``G v`` by ``jvp``/``vjp`` (Subnetwork Inference eq. 9).
+- `ggn_vector_product`: ``G v`` by ``jvp``/``vjp`` (Subnetwork Inference eq. 9);
+  `ggn_matrix_product`: ``G V`` for a block of vectors in one batched pass.
 - `ggn_in_subspace`: ``Pᵀ G P`` for a dense or index `Subspace` (eq. 15).
 - `ggn_diagonal`: the exact ``diag(G)`` (diagonal Laplace, section 5).
 - `subspace_jacobians`, `full_jacobians`: blocks of ``J_n P`` / ``J_n`` for predictives.
 - `lanczos_eigh`: top-``k`` eigenpairs of a symmetric operator (Subspace Inference appendix E),
-  via ``linear_operator``'s Lanczos.
+  via ``linear_operator``'s Lanczos; `block_lanczos_eigh`: the block variant on ``G V``.
 """
 
 from .ggn import (
@@ -16,18 +17,22 @@ from .ggn import (
     ggn_diagonal,
     ggn_from_blocks,
     ggn_in_subspace,
+    ggn_matrix_product,
     ggn_vector_product,
     output_hessian,
     subspace_jacobians,
 )
+from .block_lanczos import block_lanczos_eigh
 from .lanczos import lanczos_eigh
 
 __all__ = [
     "MAX_JACOBIAN_NUMBERS",
+    "block_lanczos_eigh",
     "full_jacobians",
     "ggn_diagonal",
     "ggn_from_blocks",
     "ggn_in_subspace",
+    "ggn_matrix_product",
     "ggn_vector_product",
     "lanczos_eigh",
     "output_hessian",

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.func import jvp, vjp
+from torch.func import jvp, vjp, vmap
 
 from .._checks import positive_int
 from ..flat import FlatNet, eval_mode
@@ -90,6 +90,53 @@ def ggn_vector_product(
             _, pullback = vjp(f, w)
             total += pullback(hjv.reshape(out.shape))[0]
     return total.detach()
+
+
+def ggn_matrix_product(
+    net: nn.Module,
+    likelihood: Likelihood,
+    x: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """``G V`` for a block of ``b`` vectors at once, ``V`` ``(D, b)`` (eq. 9 without ``λ``).
+
+    Column ``j`` equals ``ggn_vector_product(net, likelihood, x, V[:, j])``, but each chunk of
+    rows takes ONE batched pass: ``vmap`` over the ``b`` tangents of ``jvp`` (``J V``), the output
+    Hessians applied, and ``vmap`` over the ``b`` cotangents of one ``vjp`` pullback
+    (``Jᵀ H J V``). Memory is that of ``b`` passes on a chunk. For `block_lanczos_eigh`.
+
+    Args:
+        net, likelihood, x, w, chunk_size: as in `ggn_vector_product`.
+        v: the block, shape ``(D, b)``; cast to ``w``'s dtype and device.
+
+    Returns:
+        ``G V``, shape ``(D, b)``, detached, in ``w``'s dtype.
+    """
+    flat, w = _setup(net, likelihood, x, w, chunk_size)
+    if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+        raise TypeError(f"v: expected a floating-point tensor ({w.numel()}, b), got {v!r}")
+    if v.dim() != 2 or v.shape[0] != w.numel() or v.shape[1] < 1:
+        raise ValueError(f"v: expected shape ({w.numel()}, b) with b >= 1, got {tuple(v.shape)}")
+    if not torch.isfinite(v).all():
+        raise ValueError("v: contains NaN or inf")
+    tangents = v.detach().to(w).T.contiguous()  # (b, D)
+    total = torch.zeros_like(tangents)
+    with eval_mode(net):
+        for xc in x.split(chunk_size):
+
+            def f(wv: torch.Tensor, xc: torch.Tensor = xc) -> torch.Tensor:
+                return flat(wv, xc)
+
+            out, pullback = vjp(f, w)
+            jv = vmap(lambda t, f=f: jvp(f, (w,), (t,))[1])(tangents)  # (b, n, ...)
+            out2 = as_2d(out)
+            hjv = torch.einsum(
+                "nop,bnp->bno", output_hessian(likelihood, out2), jv.reshape(-1, *out2.shape)
+            )
+            total += vmap(lambda c: pullback(c)[0])(hjv.reshape(jv.shape))
+    return total.T.detach()
 
 
 def ggn_in_subspace(

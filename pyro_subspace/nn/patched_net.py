@@ -37,6 +37,8 @@ from .. import _checks
 from ..flat import FlatNet, eval_mode, preserved, train_mode
 from ..likelihoods import Likelihood, check_temperature
 from ..minibatch import minibatch_loop, shuffle_generator
+from ..threads import thread_policy
+from . import patch_svi
 from .patch_family import PatchFamily, drop_data_dim, plate_batch_shape, positive
 from .subspace_net import check_data
 
@@ -256,7 +258,10 @@ class PatchedNet(PyroModule):
                 out = torch.stack(outs)
                 return out.reshape(*batch, *out.shape[1:])
             buffers = self._member_buffers(int(member) if not batch else member)
-        out = self.flat.evaluate(weights, x, buffers)
+        if batch or any(weights.get(s.name, x).shape != s.shape for s in self.slots):
+            out = self.flat.evaluate(weights, x, buffers)  # batched, or checks a partial dict
+        else:  # one draw: no functional_call bookkeeping (patch_svi.swapped_forward)
+            out = patch_svi.swapped_forward(self.net, weights, x, buffers)
         return out.unsqueeze(-1) if out.dim() == len(batch) + 1 else out
 
     @torch.no_grad()
@@ -334,6 +339,7 @@ class PatchedNet(PyroModule):
         attribute name of the mean (`PatchFamily.weight_decays`)."""
         return self.family.weight_decays(num_data)
 
+    @thread_policy
     def fit(
         self,
         x: torch.Tensor,
@@ -355,8 +361,8 @@ class PatchedNet(PyroModule):
             x: training inputs ``(N, ...)``; y: targets ``(N,)``.
             epochs, lr, batch_size: Adam (default settings, as the paper) and minibatching.
             method: ``"torch"``: `negative_elbo` with ``torch.optim.Adam``; ``"svi"``: Pyro's
-                ``SVI(self, self.guide, pyro.optim.Adam, Trace_ELBO())`` on the same objective
-                (several times slower per step on small nets: Pyro's tracing dominates).
+                ``SVI(self.fused_model, self.fused_guide, Adam, Trace_ELBO())`` on the same
+                objective, with whole-tensor sites and one Adam for all means (`patch_svi`).
             seed: seeds the shuffling (and nothing else; seed Pyro/torch for the draws). With
                 ``None`` the shuffling seed is one draw from torch's global generator, so
                 ``torch.manual_seed`` alone makes the fit reproducible.
@@ -371,29 +377,18 @@ class PatchedNet(PyroModule):
             whole ELBO loss over ``N``, which includes the constant ``C``.
         """
         n = _checks.check_data(self.net, x, y, self.likelihood, require_y=True)
-        _check_call(x, y, None, None)
-        for name, value in (("epochs", epochs), ("batch_size", batch_size)):
-            _check_size(value, name)
-        positive(lr, "lr")
-        if method not in ("torch", "svi"):
-            raise ValueError(f"method: expected 'torch' or 'svi', got {method!r}")
+        _check_size(epochs, "epochs"), _check_size(batch_size, "batch_size"), positive(lr, "lr")
+        _checks.choice(method, "method", ("torch", "svi"))
         with torch.no_grad():  # check the targets against the outputs once, not every step
             probe = self.sample_outputs(x[:1], 1)[0]
         y = self.likelihood.validate(probe.new_zeros(n, *probe.shape[1:]), y)
-        if method == "svi":
-            from pyro.infer import SVI, Trace_ELBO
-
-            svi = SVI(self, self.guide, pyro.optim.Adam({"lr": lr}), Trace_ELBO())
-
-            def step(idx: torch.Tensor) -> float:
-                return svi.step(x[idx], y[idx], num_data=n) / n
-
-            optimizer = None
+        if method == "svi":  # SVI(fused_model, fused_guide, Adam, Trace_ELBO()): patch_svi
+            step, optimizer = patch_svi.svi_step(self, x, y, lr), None
         else:
-            decays = self.weight_decays(n)
-            groups = [
-                {"params": [self._parameters[k]], "weight_decay": v} for k, v in decays.items()
-            ]
+            groups = {}  # one group per decay value: Adam's per-group overhead, not per tensor
+            for k, v in self.weight_decays(n).items():
+                groups.setdefault(v, []).append(self._parameters[k])
+            groups = [{"params": ps, "weight_decay": v} for v, ps in groups.items()]
             optimizer = torch.optim.Adam(groups, lr=lr)
 
             def step(idx: torch.Tensor) -> torch.Tensor:
@@ -403,7 +398,6 @@ class PatchedNet(PyroModule):
                     )
                 return nll / n  # the penalty's gradient: Adam's weight_decay (eq. 7)
 
-        # an interrupted or failing fit leaves the means and the BatchNorm statistics as they were
         with preserved(self, self.net, buffers="error", weights="error"), train_mode(self, self.net):
             return minibatch_loop(
                 step,
@@ -453,6 +447,9 @@ class PatchedNet(PyroModule):
                 self.likelihood.check_outputs(out)
             pyro.deterministic("f", out, event_dim=1)
             return self.likelihood.observe(out, yb, self.temperature)
+
+    fused_model = pyro_method(patch_svi.fused_model)
+    fused_guide = pyro_method(patch_svi.fused_guide)
 
     @pyro_method
     def guide(
