@@ -119,6 +119,7 @@ def fit_map(
     # the last epoch with a finite loss and finite weights: where a divergence goes back to
     last_good = {"epoch": 0, "state": Preserved((net, likelihood), False, True, True)}
     offset = 0  # epochs of earlier phases (errors count epochs within their phase)
+    in_swa = False  # not `offset > 0`: the SWA phase may follow epochs=0
 
     def checkpoint(epoch: int, loss: float) -> None:
         if not all(bool(torch.isfinite(p).all()) for p in net.parameters()):
@@ -127,7 +128,7 @@ def fit_map(
             )
         last_good["epoch"] = offset + epoch + 1
         last_good["state"] = Preserved((net, likelihood), False, True, True)
-        if offset:  # the SWA phase
+        if in_swa:
             collector.collect()
 
     users = (net, likelihood) + ((collector,) if collector is not None else ())
@@ -139,7 +140,7 @@ def fit_map(
                 on_epoch=checkpoint, **loop,
             )  # fmt: skip
             if swa_epochs:  # the SWA phase moves the weights only; likelihood parameters stay
-                offset = epochs
+                offset, in_swa = epochs, True
                 history += minibatch_loop(
                     step,
                     n,

@@ -127,3 +127,14 @@ def test_each_phase_uses_its_own_learning_rate():
         progress=False,
     )
     assert col.deviations.abs().max() < 1e-6  # a 1e-9 step barely moves the weights
+
+
+def test_swa_phase_after_zero_map_epochs_collects_every_epoch():
+    """epochs=0 then swa_epochs=s (the CLI's two-call pattern) collects s snapshots."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 5), nn.ReLU(), nn.Linear(5, 1))
+    x, y = torch.randn(20, 1), torch.randn(20)
+    col = subspaces.SWACollector(net, max_snapshots=5)
+    fit_map(net, likelihoods.Gaussian(0.5), x, y, epochs=0, collector=col, swa_epochs=3,
+            swa_lr=1e-2, seed=0, progress=False)  # fmt: skip
+    assert col.n_collected == 3 and col.num_snapshots == 3
