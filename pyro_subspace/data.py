@@ -11,6 +11,7 @@ total over the ranks and `reduce` sums a per-shard result over them (one ``all_r
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -86,7 +87,13 @@ class DataSource:
             for i, xc in enumerate(self.x.split(self.chunk_size)):
                 yield xc, None if ys is None else ys[i]
             return
-        for batch in self.loader:
+        # A DataLoader draws from torch's global generator when an iteration starts (its base
+        # seed; a RandomSampler's seed): keep that stream untouched, so a sampler's draws do
+        # not depend on whether the data come as tensors or from a loader.
+        with torch.random.fork_rng(devices=[]):
+            batches = iter(self.loader)
+            first = next(batches, None)
+        for batch in itertools.chain([] if first is None else [first], batches):
             if not isinstance(batch, (tuple, list)) or len(batch) != 2:
                 raise ValueError("x: the DataLoader must yield (x, y) batches")
             yield batch[0], batch[1]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 from .flat import eval_mode, train_mode
 from .likelihoods import Likelihood
@@ -15,7 +18,7 @@ def fit_map(
     net: nn.Module,
     likelihood: Likelihood,
     x: torch.Tensor,
-    y: torch.Tensor,
+    y: torch.Tensor | None = None,
     *,
     epochs: int = 100,
     lr: float = 1e-2,
@@ -42,7 +45,10 @@ def fit_map(
     Args:
         net: the network (outputs ``(N, O)``); trained in place, its train/eval mode restored.
         likelihood: the `Likelihood` whose `log_prob` is the loss.
-        x: inputs ``(N, ...)``; y: targets ``(N,)`` (``(N, 1)`` accepted).
+        x: inputs ``(N, ...)``; y: targets ``(N,)`` (``(N, 1)`` accepted). Or ``x`` a
+            ``Dataset`` of ``(x_n, y_n)`` (shuffled minibatches of ``batch_size`` by a
+            ``DataLoader``) or a ``DataLoader`` (used as is), with ``y=None``: streamed, memory
+            bounded by the batch.
         epochs: epochs of the first (MAP) phase with ``optimizer`` ("adam" or "sgd").
         lr, weight_decay, momentum: optimiser settings (momentum for SGD only).
         batch_size: minibatch size (``None``: full batch).
@@ -60,17 +66,25 @@ def fit_map(
         raise TypeError(
             f"likelihood: expected a pyro_subspace Likelihood, got {type(likelihood).__name__}"
         )
-    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] < 1:
+    streamed = isinstance(x, (Dataset, DataLoader))
+    if streamed and y is not None:
+        raise ValueError("y: give either a Dataset/DataLoader or (x, y) tensors, not both")
+    if streamed:
+        pass
+    elif y is None:
+        raise ValueError("y: the targets are required with tensor inputs")
+    elif not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] < 1:
         raise ValueError(
             f"x: expected a tensor of shape (N, ...) with N >= 1, got {getattr(x, 'shape', x)!r}"
         )
-    if x.is_floating_point() and not torch.isfinite(x).all():
+    elif x.is_floating_point() and not torch.isfinite(x).all():
         raise ValueError("x: contains NaN or inf")
-    n = x.shape[0]
-    with torch.no_grad(), eval_mode(net):
-        probe = net(x[:1])  # only the output width is needed to check the targets
-    probe = probe.unsqueeze(-1) if probe.dim() == 1 else probe
-    y = likelihood.validate(probe.new_zeros(n, *probe.shape[1:]), y)
+    if not streamed:
+        n = x.shape[0]
+        with torch.no_grad(), eval_mode(net):
+            probe = net(x[:1])  # only the output width is needed to check the targets
+        probe = probe.unsqueeze(-1) if probe.dim() == 1 else probe
+        y = likelihood.validate(probe.new_zeros(n, *probe.shape[1:]), y)
     for name, value, low in (("epochs", epochs, 0), ("swa_epochs", swa_epochs, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
@@ -103,14 +117,28 @@ def fit_map(
             return torch.optim.Adam(params, lr=rate)
         return torch.optim.SGD(params, lr=rate, momentum=momentum)
 
-    def step(idx: torch.Tensor) -> torch.Tensor:
-        out = net(x[idx])
+    def batch_loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        out = net(xb)
         out = out.unsqueeze(-1) if out.dim() == 1 else out
         if not torch.isfinite(out).all():
             raise FloatingPointError(
                 "fit_map: the network outputs became non-finite; lower the learning rate"
             )
-        return -likelihood.log_prob(out, y[idx]).mean()
+        return -likelihood.log_prob(out, likelihood.validate(out, yb) if streamed else yb).mean()
+
+    if streamed:
+        loader = x if isinstance(x, DataLoader) else DataLoader(
+            x, batch_size=batch_size or len(x), shuffle=True, generator=gen  # type: ignore[arg-type]
+        )
+        with train_mode(net):
+            history = _loader_loop(batch_loss, loader, epochs, make(optimizer, lr, groups))
+            if swa_epochs:
+                opt = make("sgd", lr if swa_lr is None else swa_lr, groups[:1])
+                history += _loader_loop(batch_loss, loader, swa_epochs, opt, collector.collect)
+        return history
+
+    def step(idx: torch.Tensor) -> torch.Tensor:
+        return batch_loss(x[idx], y[idx])
 
     loop = dict(batch_size=batch_size, generator=gen, device=x.device, progress=progress)
     history: list[float] = []
@@ -128,4 +156,23 @@ def fit_map(
                 desc="fit_map (swa)",
                 **loop,
             )
+    return history
+
+
+def _loader_loop(batch_loss, loader, epochs: int, optimizer, on_epoch=None) -> list[float]:
+    """Epochs over a ``DataLoader`` of ``(x, y)`` batches; the mean loss per point per epoch."""
+    history = []
+    for epoch in range(epochs):
+        total, count = 0.0, 0
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            loss = batch_loss(xb, yb)
+            if not math.isfinite(float(loss.detach())):
+                raise FloatingPointError(f"fit_map: the loss became {float(loss)} at epoch {epoch + 1}")
+            loss.backward()
+            optimizer.step()
+            total, count = total + float(loss.detach()) * len(xb), count + len(xb)
+        history.append(total / max(count, 1))
+        if on_epoch is not None:
+            on_epoch()
     return history
