@@ -4,7 +4,7 @@ A network's weights are written ``w = ŵ + P t``; Pyro's own inference (NUTS, HM
 Predictive) runs over the few coordinates ``t`` while the rest stays at a point estimate.
 """
 
-from . import convert, datasets, infer, likelihoods, metrics, subspaces
+from . import convert, datasets, distributed, infer, likelihoods, metrics, subspaces
 from .flat import FlatNet
 from .infer import EllipticalSliceSampler
 from .nn import PatchedNet, SubspaceNet
@@ -18,6 +18,7 @@ __all__ = [
     "PatchedNet",
     "SubspaceNet",
     "convert",
+    "distributed",
     "datasets",
     "fit_map",
     "infer",
