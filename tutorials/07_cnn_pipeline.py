@@ -20,8 +20,8 @@
 # two processes: `torchrun --nproc_per_node 2 tutorials/07_cnn_pipeline.py`. Under `torchrun`
 # each rank holds half the training data (`distributed.shard`) and every full-data sum (the
 # likelihood, its gradient, the GGN) is all-reduced, so every rank gets the same numbers as
-# one process would. Training (MAP/SWA, the patches) here runs the same deterministic steps
-# on every rank on all the data; for data too big for that, wrap the network in
+# one process would. Training (MAP/SWA, the patches) here runs the same steps on every rank
+# on all the data (fixed shuffling seeds: without one, each rank would shuffle differently); for data too big for that, wrap the network in
 # `DistributedDataParallel`.
 
 # %%
@@ -107,7 +107,7 @@ times = {}
 start = time.perf_counter()
 collector = subspaces.SWACollector(net, max_snapshots=SWA_EPOCHS)
 fit_map(net, lik, x, y, epochs=EPOCHS, batch_size=32, lr=0.05, optimizer="sgd",
-        collector=collector, swa_epochs=SWA_EPOCHS, swa_lr=0.02, progress=False)  # fmt: skip
+        collector=collector, swa_epochs=SWA_EPOCHS, swa_lr=0.02, seed=0, progress=False)  # fmt: skip
 pca = subspaces.pca(collector, 3)
 model = SubspaceNet(net, pca, lik, temperature="auto")
 pyro.set_rng_seed(0)
@@ -140,7 +140,8 @@ times["GGN eigenpairs"] = time.perf_counter() - start
 start = time.perf_counter()
 torch.manual_seed(1)
 second = make_net()
-fit_map(second, lik, x, y, epochs=EPOCHS, batch_size=32, lr=0.05, optimizer="sgd", progress=False)
+fit_map(second, lik, x, y, epochs=EPOCHS, batch_size=32, lr=0.05, optimizer="sgd", seed=1,
+        progress=False)
 mola = MixtureOfLaplace([net, second], lik).fit(x_shard, y_shard)
 times["last-layer MoLA"] = time.perf_counter() - start
 say("GGN eigenvalues:", eig.eigenvalues)
@@ -152,7 +153,7 @@ say("MoLA member log-evidences:", mola.log_evidences)
 # %%
 start = time.perf_counter()
 patched = PatchedNet(net, lik, mode="ecmp", n_components=5, init="copy")
-patched.fit(x, y, epochs=1 if TINY else 5, batch_size=32)
+patched.fit(x, y, epochs=1 if TINY else 5, batch_size=32, seed=0)
 accuracy = float((patched.predictive_mean(x, 10).argmax(-1) == y).double().mean())
 times["ECMP patches"] = time.perf_counter() - start
 say(f"ECMP training accuracy {accuracy:.2f}")
