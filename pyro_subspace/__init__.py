@@ -4,7 +4,7 @@ A network's weights are written ``w = ŵ + P t``; Pyro's own inference (NUTS, HM
 Predictive) runs over the few coordinates ``t`` while the rest stays at a point estimate.
 """
 
-from . import convert, datasets, infer, likelihoods, metrics, subspaces
+from . import convert, datasets, distributed, infer, likelihoods, metrics, subspaces
 from .exceptions import ConvergenceWarning, TrainingDivergedError
 from .flat import FlatNet
 from .threads import num_threads, set_num_threads
@@ -22,6 +22,7 @@ __all__ = [
     "SubspaceNet",
     "TrainingDivergedError",
     "convert",
+    "distributed",
     "datasets",
     "fit_map",
     "infer",

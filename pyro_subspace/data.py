@@ -4,14 +4,20 @@ Every entry point that takes training data accepts ``(x, y)`` tensors, a
 ``torch.utils.data.Dataset`` of ``(x_n, y_n)`` pairs, or a ``DataLoader`` yielding ``(x, y)``
 batches; `DataSource` reads any of them chunk by chunk, so peak memory is bounded by the chunk
 (a ``DataLoader`` keeps its own batch size), never by ``N``.
+
+Under ``torch.distributed`` (`distributed`) the source is this rank's shard: ``num_data`` is the
+total over the ranks and `reduce` sums a per-shard result over them (one ``all_reduce``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from . import distributed
 
 from ._checks import positive_int
 
@@ -32,6 +38,9 @@ class DataSource:
         x: inputs ``(N, ...)``, a ``Dataset`` or a ``DataLoader`` (then ``y`` must be None).
         y: targets ``(N, ...)`` with tensor inputs, or None (inputs only).
         chunk_size: rows per chunk for tensors and datasets.
+
+    ``num_data`` is ``N`` summed over the ranks of an active process group (`distributed`);
+    ``local_num_data`` the rows of this rank's shard.
     """
 
     def __init__(
@@ -44,7 +53,8 @@ class DataSource:
                 raise ValueError("y: give either a Dataset/DataLoader or (x, y) tensors, not both")
             self.loader = x if isinstance(x, DataLoader) else DataLoader(x, chunk_size)
             self.x = self.y = None
-            self.num_data = len(self.loader.dataset)
+            self.local_num_data = _loader_rows(self.loader)
+            self.sharded = distributed.active()
             return
         if not isinstance(x, torch.Tensor):
             raise TypeError(
@@ -63,7 +73,23 @@ class DataSource:
                     f"y: expected {x.shape[0]} targets to match x, got shape {tuple(y.shape)}"
                 )
         self.loader, self.x, self.y = None, x, y
-        self.num_data = x.shape[0]
+        self.local_num_data = x.shape[0]
+        self.sharded = distributed.active()
+
+    @property
+    def num_data(self) -> int:
+        """``N``: the rows of all shards (one ``all_reduce`` the first time under a process
+        group; every rank must ask), else of this source."""
+        if not hasattr(self, "_num_data"):
+            self._num_data = self.reduce(self.local_num_data)
+        return self._num_data
+
+    def reduce(self, *values: object):
+        """Sum per-shard results (floats, ints, tensors) over the ranks with one
+        ``all_reduce`` when the data are sharded; unchanged otherwise (`distributed`)."""
+        if not self.sharded:
+            return values[0] if len(values) == 1 else values
+        return distributed.all_reduce_sum(*values)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         if self.loader is None:
@@ -71,7 +97,13 @@ class DataSource:
             for i, xc in enumerate(self.x.split(self.chunk_size)):
                 yield xc, None if ys is None else ys[i]
             return
-        for batch in self.loader:
+        # A DataLoader draws from torch's global generator when an iteration starts (its base
+        # seed; a RandomSampler's seed): keep that stream untouched, so a sampler's draws do
+        # not depend on whether the data come as tensors or from a loader.
+        with torch.random.fork_rng(devices=[]):
+            batches = iter(self.loader)
+            first = next(batches, None)
+        for batch in itertools.chain([] if first is None else [first], batches):
             if not isinstance(batch, (tuple, list)) or len(batch) != 2:
                 raise ValueError("x: the DataLoader must yield (x, y) batches")
             yield batch[0], batch[1]
@@ -80,3 +112,19 @@ class DataSource:
         """The input chunks only."""
         for xc, _ in self:
             yield xc
+
+
+def _loader_rows(loader: DataLoader) -> int:
+    """Rows a ``DataLoader`` yields per pass: its ``DistributedSampler``'s share, else the data
+    set's length."""
+    sampler = loader.sampler
+    if isinstance(sampler, DistributedSampler):
+        n = len(loader.dataset)  # type: ignore[arg-type]
+        if not sampler.drop_last and n % sampler.num_replicas:
+            raise ValueError(
+                f"x: the DistributedSampler pads {n} rows to {sampler.total_size} by repeating "
+                "some, which would count them twice; use drop_last=True, a data set size "
+                "divisible by the number of ranks, or pyro_subspace.distributed.shard"
+            )
+        return len(sampler)
+    return len(loader.dataset)  # type: ignore[arg-type]

@@ -155,9 +155,13 @@ class FlatNet:
         strategy = self.batch_strategy
         if strategy == "auto":
             strategy = "loop" if x.device.type == "cpu" else "vmap"
+        out = None
         if strategy == "vmap" and not self.net.training:
-            out = vmap(one, in_dims=(0, 0))(flat_p, flat_b)
-        else:
+            try:
+                out = vmap(one, in_dims=(0, 0))(flat_p, flat_b)
+            except (RuntimeError, NotImplementedError):  # no batching rule (e.g. RNNs): loop
+                out = None
+        if out is None:
             out = torch.stack(
                 [
                     one({k: v[i] for k, v in flat_p.items()}, {k: v[i] for k, v in flat_b.items()})

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
-from torch.func import functional_call, jacrev, jvp, vmap
+from torch.func import functional_call, jacrev, vmap
 
+from .autodiff import jvps, per_sample_jacobians_rowwise
 from .flat import FlatNet, eval_mode
 
 #: Budget (in numbers) for one block of per-sample Jacobians ``(rows, O, D)``: 50M numbers is
@@ -65,7 +66,10 @@ def per_sample_jacobians(fn: Callable, theta: torch.Tensor, x: torch.Tensor) -> 
     def one(th: torch.Tensor, xn: torch.Tensor) -> torch.Tensor:
         return fn(th, xn.unsqueeze(0)).reshape(-1)
 
-    return vmap(jacrev(one), in_dims=(None, 0))(theta, x)
+    try:
+        return vmap(jacrev(one), in_dims=(None, 0))(theta, x)
+    except (RuntimeError, NotImplementedError):  # e.g. RNNs under vmap: row by row (autodiff)
+        return per_sample_jacobians_rowwise(one, theta, x)
 
 
 def block_rows(fn: Callable, theta: torch.Tensor, x: torch.Tensor, chunk_size: int | None) -> int:
@@ -104,8 +108,8 @@ def dense_jacobian_blocks(
             def f(wv: torch.Tensor, xc: torch.Tensor = xc) -> torch.Tensor:
                 return flat(wv, xc)
 
-            outs, jp = vmap(lambda u, f=f: jvp(f, (w,), (u,)))(tangents)
-            out = as_2d(outs[0])
+            out, jp = jvps(flat.net, f, w, tangents)  # forward AD, else a fallback (autodiff)
+            out = as_2d(out)
             yield out.detach(), jp.reshape(k, *out.shape).permute(1, 2, 0).detach()
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 from . import _checks as ck
 from .exceptions import TrainingDivergedError
@@ -19,7 +22,7 @@ def fit_map(
     net: nn.Module,
     likelihood: Likelihood,
     x: torch.Tensor,
-    y: torch.Tensor,
+    y: torch.Tensor | None = None,
     *,
     epochs: int = 100,
     lr: float = 1e-2,
@@ -46,7 +49,10 @@ def fit_map(
     Args:
         net: the network (outputs ``(N, O)``); trained in place, its train/eval mode restored.
         likelihood: the `Likelihood` whose `log_prob` is the loss.
-        x: inputs ``(N, ...)``; y: targets ``(N,)`` (``(N, 1)`` accepted).
+        x: inputs ``(N, ...)``; y: targets ``(N,)`` (``(N, 1)`` accepted). Or ``x`` a
+            ``Dataset`` of ``(x_n, y_n)`` (shuffled minibatches of ``batch_size`` by a
+            ``DataLoader``) or a ``DataLoader`` (used as is), with ``y=None``: streamed, memory
+            bounded by the batch.
         epochs: epochs of the first (MAP) phase with ``optimizer`` ("adam" or "sgd").
         lr, weight_decay, momentum: optimiser settings (momentum for SGD only).
         batch_size: minibatch size (``None``: full batch).
@@ -82,16 +88,19 @@ def fit_map(
     ck.positive_float(momentum, "momentum", allow_zero=True)
     ck.positive_int(batch_size, "batch_size", allow_none=True)
     ck.choice(optimizer, "optimizer", ("adam", "sgd"))
-    n = ck.check_data(net, x, y, likelihood, require_y=True)
+    streamed = isinstance(x, (Dataset, DataLoader))
+    # tensors: width, dtype, finiteness and targets against the net; a Dataset: its first item
+    n = ck.check_data(net, x, y, likelihood, require_y=not streamed)
     if swa_epochs > 0:
         if not isinstance(collector, SWACollector):
             raise ValueError("collector: swa_epochs > 0 needs a SWACollector built on this net")
         if collector.flat.net is not net:
             raise ValueError("collector: was built on a different network than net")
-    with torch.no_grad(), eval_mode(net):
-        probe = net(x[:1])  # only the output width is needed to check the targets
-    probe = probe.unsqueeze(-1) if probe.dim() == 1 else probe
-    y = likelihood.validate(probe.new_zeros(n, *probe.shape[1:]), y)
+    if not streamed:
+        with torch.no_grad(), eval_mode(net):
+            probe = net(x[:1])  # only the output width is needed to check the targets
+        probe = probe.unsqueeze(-1) if probe.dim() == 1 else probe
+        y = likelihood.validate(probe.new_zeros(n, *probe.shape[1:]), y)
 
     gen = shuffle_generator(seed)
     groups = [{"params": list(net.parameters()), "weight_decay": float(weight_decay)}]
@@ -105,17 +114,15 @@ def fit_map(
             return torch.optim.Adam(params, lr=rate)
         return torch.optim.SGD(params, lr=rate, momentum=momentum)
 
-    def step(idx: torch.Tensor) -> torch.Tensor:
-        out = net(x[idx])
+    def batch_loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        out = net(xb)
         out = out.unsqueeze(-1) if out.dim() == 1 else out
         if not torch.isfinite(out).all():
             raise FloatingPointError(
                 "fit_map: the network outputs became non-finite; lower the learning rate"
             )
-        return -likelihood.log_prob(out, y[idx]).mean()
+        return -likelihood.log_prob(out, likelihood.validate(out, yb) if streamed else yb).mean()
 
-    loop = dict(batch_size=batch_size, generator=gen, device=x.device, progress=progress)
-    history: list[float] = []
     # the last epoch with a finite loss and finite weights: where a divergence goes back to
     last_good = {"epoch": 0, "state": Preserved((net, likelihood), False, True, True)}
     offset = 0  # epochs of earlier phases (errors count epochs within their phase)
@@ -131,25 +138,32 @@ def fit_map(
         if in_swa:
             collector.collect()
 
+    if streamed:  # memory bounded by the batch
+        loader = x if isinstance(x, DataLoader) else DataLoader(
+            x, batch_size=batch_size or len(x), shuffle=True, generator=gen  # type: ignore[arg-type]
+        )
+
+        def phase(epochs: int, opt: torch.optim.Optimizer, desc: str) -> list[float]:
+            return _loader_loop(batch_loss, loader, epochs, opt, checkpoint)
+    else:
+        loop = dict(batch_size=batch_size, generator=gen, device=x.device, progress=progress)
+
+        def phase(epochs: int, opt: torch.optim.Optimizer, desc: str) -> list[float]:
+            return minibatch_loop(
+                lambda idx: batch_loss(x[idx], y[idx]), n, epochs=epochs, optimizer=opt,
+                on_epoch=checkpoint, desc=desc, **loop,
+            )  # fmt: skip
+
+    history: list[float] = []
     users = (net, likelihood) + ((collector,) if collector is not None else ())
     # an interrupted or failing fit leaves the user's objects as they were
     with preserved(*users, buffers="error", weights="error") as saved, train_mode(net):
         try:
-            history += minibatch_loop(
-                step, n, epochs=epochs, optimizer=make(optimizer, lr, groups), desc="fit_map",
-                on_epoch=checkpoint, **loop,
-            )  # fmt: skip
+            history += phase(epochs, make(optimizer, lr, groups), "fit_map")
             if swa_epochs:  # the SWA phase moves the weights only; likelihood parameters stay
                 offset, in_swa = epochs, True
-                history += minibatch_loop(
-                    step,
-                    n,
-                    epochs=swa_epochs,
-                    optimizer=make("sgd", lr if swa_lr is None else swa_lr, groups[:1]),
-                    on_epoch=checkpoint,
-                    desc="fit_map (swa)",
-                    **loop,
-                )
+                opt = make("sgd", lr if swa_lr is None else swa_lr, groups[:1])
+                history += phase(swa_epochs, opt, "fit_map (swa)")
         except TrainingDivergedError as err:
             epoch, good = offset + err.epoch, last_good["epoch"]
             last_good["state"].restore()
@@ -160,4 +174,30 @@ def fit_map(
                 epoch,
                 good,
             ) from err
+    return history
+
+
+def _loader_loop(batch_loss, loader, epochs: int, optimizer, on_epoch) -> list[float]:
+    """Epochs over a ``DataLoader`` of ``(x, y)`` batches; the mean loss per point per epoch.
+    A non-finite loss or output raises `TrainingDivergedError` with the epoch (from 1)."""
+    history = []
+    for epoch in range(epochs):
+        total, count = 0.0, 0
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            try:
+                loss = batch_loss(xb, yb)
+            except TrainingDivergedError:
+                raise
+            except FloatingPointError as err:
+                raise TrainingDivergedError(str(err), epoch + 1) from err
+            if not math.isfinite(float(loss.detach())):
+                raise TrainingDivergedError(
+                    f"fit_map: the loss became {float(loss)} at epoch {epoch + 1}", epoch + 1
+                )
+            loss.backward()
+            optimizer.step()
+            total, count = total + float(loss.detach()) * len(xb), count + len(xb)
+        history.append(total / max(count, 1))
+        on_epoch(epoch, history[-1])
     return history

@@ -8,6 +8,11 @@ Jacobian ``J_n = ∂f(x_n, w)/∂w`` of shape ``(O, D)`` and the output Hessian
 ``torch.func`` does the differentiation: ``jvp``/``vjp`` for ``G v``, ``vmap`` over ``jvp`` for
 ``J P``, and ``vmap`` over data points of ``jacrev`` for per-sample Jacobians. The data are
 processed in chunks of rows, so memory never depends on ``N``. Networks run in eval mode.
+
+``x`` may be a tensor, a ``Dataset`` or a ``DataLoader`` (`data.DataSource`: read in chunks);
+under ``torch.distributed`` it is the rank's shard and the sums are all-reduced
+(`distributed`). Modules whose kernels lack forward-mode derivatives (LSTM, fused transformer
+layers) fall back automatically to reverse-over-reverse products (`autodiff`).
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ import torch
 from torch import nn
 from torch.func import jvp, vjp, vmap
 
+from .. import distributed
 from .._checks import positive_int
+from ..autodiff import jvp_any
+from ..data import DataSource
 from ..flat import FlatNet, eval_mode
 from ..jacobians import MAX_JACOBIAN_NUMBERS, as_2d, full_jacobian_blocks
 from ..likelihoods import Likelihood, check_likelihood
@@ -34,16 +42,24 @@ def _setup(
     if likelihood is not None:
         check_likelihood(likelihood)
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a tensor (N, ...), got {type(x).__name__}")
-    if x.dim() == 0 or x.shape[0] == 0:
+        DataSource(x)  # a Dataset or DataLoader, else a TypeError naming x
+    elif x.dim() == 0 or x.shape[0] == 0:
         raise ValueError(f"x: expected at least one input row, got shape {tuple(x.shape)}")
-    if x.is_floating_point() and not torch.isfinite(x).all():
+    elif x.is_floating_point() and not torch.isfinite(x).all():
         raise ValueError("x: contains NaN or inf")
     positive_int(chunk_size, "chunk_size", allow_none=True)
     if w is None:
         return flat, flat.vector()
     flat.check_weights(w, "w", batched=False)
     return flat, w.detach()
+
+
+def _inputs(x: object, chunk_size: int | None) -> Iterator[torch.Tensor]:
+    """The input tensor itself (the callers chunk it), or the chunks of a Dataset/DataLoader."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    else:
+        yield from DataSource(x, None, chunk_size or 1024).inputs()
 
 
 def ggn_vector_product(
@@ -59,7 +75,7 @@ def ggn_vector_product(
     Args:
         net: the network; evaluated in eval mode at ``w``.
         likelihood: `Gaussian`, `Categorical` or `Bernoulli` (see `output_hessian`).
-        x: inputs, shape ``(N, ...)``.
+        x: inputs, shape ``(N, ...)``, or a ``Dataset``/``DataLoader`` of ``(x, y)``.
         v: the vector, shape ``(D,)``; cast to ``w``'s dtype and device.
         w: flat weights ``(D,)``; default the network's current weights.
         chunk_size: rows per ``jvp``/``vjp`` pair; memory is that of two passes on a chunk.
@@ -77,19 +93,19 @@ def ggn_vector_product(
     v = v.detach().to(w)
     total = torch.zeros_like(w)
     with eval_mode(net):
-        for xc in x.split(chunk_size):
+        for xc in (c for xs in _inputs(x, chunk_size) for c in xs.split(chunk_size)):
 
             def f(wv: torch.Tensor, xc: torch.Tensor = xc) -> torch.Tensor:
                 return flat(wv, xc)
 
-            out, jv = jvp(f, (w,), (v,))
+            out, jv = jvp_any(net, f, w, v)
             out2 = as_2d(out)
             hjv = torch.einsum(
                 "nop,np->no", output_hessian(likelihood, out2), jv.reshape(out2.shape)
             )
             _, pullback = vjp(f, w)
             total += pullback(hjv.reshape(out.shape))[0]
-    return total.detach()
+    return distributed.all_reduce_sum(total.detach())
 
 
 def ggn_matrix_product(
@@ -169,7 +185,11 @@ def ggn_in_subspace(
         Shape ``(K, K)``, in ``w``'s dtype.
     """
     _, w = _setup(net, likelihood, x, w, chunk_size)
-    total = ggn_from_blocks(likelihood, subspace_jacobians(net, x, subspace, chunk_size, w=w))
+    total = None
+    for xs in _inputs(x, chunk_size):
+        blocks = subspace_jacobians(net, xs, subspace, chunk_size, w=w)
+        total = ggn_from_blocks(likelihood, blocks, False, total)
+    total = distributed.all_reduce_sum(total)
     return ((total + total.T) / 2).detach()
 
 
@@ -267,7 +287,8 @@ def ggn_diagonal(
     """
     _, w = _setup(net, likelihood, x, w, chunk_size)
     diag = torch.zeros_like(w)
-    for out, jac in full_jacobians(net, x, chunk_size, w=w):
-        lj = torch.einsum("noc,nod->ncd", hessian_factor(likelihood, out), jac)
-        diag += lj.square().sum((0, 1))
-    return diag.detach()
+    for xs in _inputs(x, chunk_size):
+        for out, jac in full_jacobians(net, xs, chunk_size, w=w):
+            lj = torch.einsum("noc,nod->ncd", hessian_factor(likelihood, out), jac)
+            diag += lj.square().sum((0, 1))
+    return distributed.all_reduce_sum(diag.detach())

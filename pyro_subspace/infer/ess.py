@@ -25,6 +25,7 @@ import torch
 from pyro import poutine
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
+from .. import distributed
 from .._checks import positive_int
 from .gaussian_prior import check_full_data, gaussian_priors
 
@@ -116,7 +117,12 @@ class EllipticalSliceSampler(MCMCKernel):
     # --- the MCMCKernel contract ------------------------------------------------------------
 
     def setup(self, warmup_steps: int, *args: Any, **kwargs: Any) -> None:
-        """Split the model into its Gaussian priors and the likelihood; draw the start."""
+        """Split the model into its Gaussian priors and the likelihood; draw the start.
+
+        Under ``torch.distributed`` every rank first takes rank 0's random stream
+        (`distributed.share_random_stream`): with the all-reduced likelihood, every rank then
+        makes the same accept and shrink decisions and returns the same chain."""
+        distributed.share_random_stream()
         self._reset_counters()
         self._warmup_steps = warmup_steps
         self._args, self._kwargs = args, kwargs

@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
+from torch.utils.data import Dataset as TorchDataset
 
 from .. import _checks
 from ..curvature import subspace_jacobians
@@ -166,8 +168,9 @@ class MixtureOfLaplace(MixturePredictor):
         """Fit the ``K`` Laplace approximations (GGN at each network's weights); returns ``self``.
 
         Args:
-            x: training inputs ``(N, ...)``, or a `datasets.Dataset` (its training split).
-            y: targets ``(N,)`` (omitted with a Dataset).
+            x: training inputs ``(N, ...)``, a `datasets.Dataset` (its training split), or a
+                ``torch.utils.data.Dataset``/``DataLoader`` of ``(x, y)`` pairs (streamed).
+            y: targets ``(N,)`` (omitted with a Dataset or DataLoader).
             find_map: refine each member's mode in its subspace by Gauss–Newton first
                 (`AutoSubspaceLaplace.fit`); ``False`` keeps ``μ^(k) = ŵ^(k)``, right when the
                 networks were trained to the MAP of the same prior (weight decay ``λ/N``).
@@ -176,10 +179,14 @@ class MixtureOfLaplace(MixturePredictor):
             if y is not None:
                 raise ValueError("y: give either a Dataset or (x, y), not both")
             x, y = x.x_train, x.y_train
-        if y is None:
+        if isinstance(x, (TorchDataset, DataLoader)):  # streamed (x, y) pairs
+            if y is not None:
+                raise ValueError("y: give either a Dataset/DataLoader or (x, y), not both")
+        elif y is None:
             raise ValueError("y: the training targets are required with tensor inputs")
-        for net, lik in zip(self.nets, self.likelihoods):  # every member, before any work
-            _checks.check_data(net, x, y, lik, require_y=True)
+        else:
+            for net, lik in zip(self.nets, self.likelihoods):  # every member, before any work
+                _checks.check_data(net, x, y, lik, require_y=True)
         self.members = []
         for i, (net, lik) in enumerate(zip(self.nets, self.likelihoods)):
             sub = self._subspace(i, net)

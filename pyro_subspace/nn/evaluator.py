@@ -5,6 +5,8 @@ Every method that needs the full-data likelihood goes through `Evaluator`: the e
 sampler (`log_likelihood`), the Laplace MAP search (`nll_and_grad`), the Laplace curvature and
 evidence (`ggn`, `map_statistics`). The data are read chunk by chunk from a `data.DataSource`
 (tensors, a ``Dataset`` or a ``DataLoader``), so memory is bounded by the chunk, not by ``N``.
+Under ``torch.distributed`` the source is the rank's shard and every sum goes through the one
+hook `DataSource.reduce` (an ``all_reduce``; a no-op without a process group).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class Evaluator:
             total = 0.0
             for xc, yc in self.chunks():
                 total += model.likelihood.log_prob(model.outputs(t, xc), yc).sum().item()
-        return total / self.temperature
+        return self.data.reduce(total) / self.temperature
 
     def nll_and_grad(self, t: torch.Tensor) -> tuple[float, torch.Tensor]:
         """``−log p(D | t)/T`` and its gradient ``(K,)`` (float64), chunk by chunk."""
@@ -96,7 +98,7 @@ class Evaluator:
             nll = -model.likelihood.log_prob(model.outputs(t, xc), yc).sum() / self.temperature
             (g,) = torch.autograd.grad(nll, t)
             total, grad = total + float(nll.detach()), grad + g.double()
-        return total, grad
+        return self.data.reduce(total, grad)
 
     def map_statistics(self, t: torch.Tensor) -> tuple[float, float, int]:
         """``log p(D | t)`` (untempered) and, for a likelihood with one tunable noise scale,
@@ -111,7 +113,7 @@ class Evaluator:
                     loc = lik.loc_scale(out)[0]
                     sse += float((loc - yc.reshape(loc.shape)).double().square().sum())
                     count += loc.numel()
-        return loglik, sse, count
+        return self.data.reduce(loglik, sse, count)
 
     # ------------------------------------------------------------------ curvature
 
@@ -126,6 +128,7 @@ class Evaluator:
         for xc in self.data.inputs():
             blocks = model.subspace.jacobian_blocks(flat, xc, w, chunk)
             total = ggn_from_blocks(model.likelihood, blocks, diagonal, total)
+        total = self.data.reduce(total)
         if not diagonal:
             total = (total + total.T) / 2
         return total.detach().to(torch.float64)
@@ -139,12 +142,22 @@ class Evaluator:
                 for buf, saved in self._saved:
                     buf.copy_(saved)
 
+    def _average_batchnorm(self) -> None:
+        stats = [s for m in self._bn for s in (m.running_mean, m.running_var) if s is not None]
+        n = self.data.local_num_data
+        summed = self.data.reduce(*[s * n for s in stats])
+        with torch.no_grad():
+            for s, total in zip(stats, summed if len(stats) > 1 else [summed], strict=True):
+                s.copy_(total / self.num_data)
+
     def _refresh_batchnorm(self, t: torch.Tensor) -> None:
         """Recompute BatchNorm running statistics at ``w = ŵ + P t`` over the inputs
         (`FlatNet.recompute_batchnorm`, streamed chunk by chunk); on failure the user's buffers
         are put back."""
         try:
             self.model.flat.recompute_batchnorm(self.model.subspace.weights(t), self.data.inputs())
+            if self.data.sharded:  # average the shards' statistics, weighted by their rows
+                self._average_batchnorm()
         except BaseException:
             self.restore()
             raise

@@ -19,6 +19,7 @@ import torch
 from pyro.distributions import MultivariateNormal, Normal
 from pyro.nn import PyroModule
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 from .. import _checks
 from ..data import DataSource, all_finite
@@ -227,6 +228,9 @@ class SubspaceNet(PyroModule):
         """For a likelihood-only kernel (elliptical slice): given this model's call arguments,
         ``(fn, restore)`` with ``fn({"t": t}) -> log p(D | t)/T`` over the whole data set in
         chunks (``subsample_size`` ignored) and ``restore()`` putting back BatchNorm buffers."""
+        if isinstance(x, (Dataset, DataLoader)):  # streamed (x, y) pairs
+            ev = self.evaluator(x, y, chunk_size, recompute_bn)
+            return (lambda params: ev.log_likelihood(params["t"])), ev.restore
         self.check_data(x, y)
         if y is None:  # no observations: the posterior is the prior
             return (lambda params: 0.0), (lambda: None)

@@ -44,7 +44,9 @@ def ggn_eigen(
     Args:
         net: the network (at its MAP); evaluated in eval mode.
         likelihood: `Gaussian`, `Categorical` or `Bernoulli`.
-        x: training inputs, shape ``(N, ...)`` (the GGN does not depend on the targets).
+        x: training inputs, shape ``(N, ...)``, or a ``Dataset``/``DataLoader`` of ``(x, y)``
+            (the GGN does not depend on the targets). Under ``torch.distributed``, the rank's
+            shard: each product is all-reduced, every rank runs the same Lanczos.
         rank: ``K``, the number of eigenvectors, ``1 <= K <= D``.
         w: flat weights ``(D,)`` (the shift ``ŵ``); default the network's current weights.
         num_iter: Lanczos iterations (GGN-vector products); default ``max(2K + 20, 3K)``.
