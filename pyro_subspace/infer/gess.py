@@ -37,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from pyro.distributions import MultivariateNormal, Normal
 from pyro.distributions.torch_distribution import ExpandedDistribution
@@ -44,6 +45,7 @@ from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 from torch.distributions import Independent
 
 REFERENCES = ("warmup", "laplace", "prior")
+INFLATION, SHRINKAGE = 1.2, 0.1  # of the covariance refitted from warm-up draws
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: chain j's seed is hash of (seed, j)
 
 
@@ -155,11 +157,15 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
             or batch.warmup != warmup_steps
         )
         if new:
-            if self._user_initial and size > 1:
-                raise ValueError(
-                    "initial_params: not supported with chains > 1 (the batch starts all chains "
-                    "at once); use chains=None"
-                )
+            start = None
+            if self._user_initial:
+                start = torch.as_tensor(self._initial_params["t"]).double()
+                if size > 1 and (start.dim() != 2 or start.shape[0] != size):
+                    raise ValueError(
+                        f"initial_params: with chains={size} set kernel.initial_params to "
+                        f"{{'t': ({size}, K)}} (all chains start at once), got shape "
+                        f"{tuple(start.shape)}; MCMC's initial_params needs chains=None"
+                    )
             prior, loglik = self._target(args, kwargs)
             mu, cov = self._initial_reference(prior, args, kwargs)
             first = self._chain_count
@@ -167,9 +173,6 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
                 seeds = [(self.seed * _MIX + 7919 * (first + j)) % 2**63 for j in range(size)]
             else:
                 seeds = torch.randint(0, 2**62, (size,)).tolist()
-            start = None
-            if self._user_initial:
-                start = self._initial_params["t"].reshape(1, -1).to(mu)
             self._batch = batch = _Batch(
                 self, prior, loglik, mu, cov, seeds, warmup_steps, start, args, kwargs
             )
@@ -196,11 +199,11 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
     def evaluations_per_draw(self) -> float:
         """Likelihood evaluations of the current chain per transition so far."""
         b = self._batch
-        return 0.0 if b is None else float(b.evals[self._chain]) / max(len(b.states) - 1, 1)
+        return 0.0 if b is None else float(b.evals[self._chain]) / max(b.steps, 1)
 
     def diagnostics(self) -> dict:
         b = self._batch
-        steps = max(len(b.states) - 1, 1)
+        steps = max(b.steps, 1)
         return {
             "divergences": [],
             "acceptance rate": 1.0,
@@ -258,108 +261,105 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
 
 class _Batch:
     """``C`` chains advanced together: states ``(C, K)`` per step, each chain with its own
-    generator, reference ``(μ_c, L_c)`` and warm-up adaptation."""
+    generator, reference ``(μ_c, L_c)`` and warm-up adaptation. The sampler's own arithmetic is
+    in float64 numpy (small arrays: per-operation overhead, not flops, is its cost); only the
+    log-likelihood runs in torch, on the model's dtype."""
 
     def __init__(self, kernel, prior, loglik, mu, cov, seeds, warmup, start, args, kwargs):
         self.kernel, self.loglik, self.warmup = kernel, loglik, warmup
         self.args, self.kwargs = args, kwargs
-        self.size, self.opened, self.passes = len(seeds), 0, 0
-        self.model_dtype, self.prior = prior.mean.dtype, prior
+        self.size, self.opened, self.passes, self.steps = len(seeds), 0, 0, 0
+        self.model_dtype = prior.mean.dtype
         k = mu.shape[-1]
         if prior.event_shape != (k,):
             raise ValueError(
                 f"reference: has K={k} coordinates, the prior's event shape is "
                 f"{tuple(prior.event_shape)}"
             )
-        self.k = k
-        self.gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
-        self.evals = torch.zeros(self.size, dtype=torch.long)
-        self.mu = mu.expand(self.size, k).clone()
-        self.tril = _cholesky(cov).expand(self.size, k, k).clone()
+        self.k, self.df = k, kernel.df
+        prior_mu, prior_cov = _moments(prior)
+        self.prior_mu = prior_mu.numpy()
+        self.prior_inv = np.linalg.inv(_cholesky(prior_cov).numpy())  # L₀⁻¹
+        self.gens = [np.random.default_rng(int(s)) for s in seeds]
+        self.evals = np.zeros(self.size, dtype=np.int64)
+        self.mu = np.repeat(mu.numpy()[None], self.size, 0)
+        self.tril = np.repeat(_cholesky(cov).numpy()[None], self.size, 0)
+        self.tril_inv = np.linalg.inv(self.tril)
         if start is None:  # a draw from the reference (the prior for "warmup"/"prior")
-            eps = torch.stack([torch.randn(k, generator=g, dtype=torch.float64) for g in self.gens])
-            start = self.mu + (self.tril @ eps[..., None])[..., 0]
-        x = start.to(torch.float64).expand(self.size, k).clone()
+            eps = np.stack([g.standard_normal(k) for g in self.gens])
+            x = self.mu + np.einsum("cij,cj->ci", self.tril, eps)
+        else:
+            x = np.broadcast_to(start.numpy().reshape(-1, k), (self.size, k)).copy()
         self.lp = self._log_target(x)
-        if not bool(torch.isfinite(self.lp).all()):
+        if not np.isfinite(self.lp).all():
             raise ValueError(
                 "initial_params: the log-density at the start is not finite; check the data, "
                 "the network's outputs and the reference"
             )
-        self.states = [x.to(self.model_dtype)]
         self.x = x
+        self.states = [torch.from_numpy(x).to(self.model_dtype)]
         adapt = kernel.adapt and not (isinstance(kernel.reference, str) and kernel.reference == "prior")
         self.schedule = _adapt_schedule(warmup) if adapt else []
 
-    def _log_target(self, t: torch.Tensor) -> torch.Tensor:
-        """``log p(t) + log L(t)`` ``(B,)`` float64 for ``t`` ``(B, K)`` float64."""
-        tm = t.to(self.model_dtype)
-        return self.prior.log_prob(tm).double() + self.loglik(tm)
+    def _log_target(self, t: np.ndarray) -> np.ndarray:
+        """``log p(t) + log L(t)`` ``(B,)`` (up to a constant) for ``t`` ``(B, K)``."""
+        z = (t - self.prior_mu) @ self.prior_inv.T
+        loglik = self.loglik(torch.from_numpy(t).to(self.model_dtype))
+        return -0.5 * (z * z).sum(-1) + loglik.detach().double().numpy()
 
-    def _log_reference(self, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def _log_reference(self, t: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """``log R(t)`` up to a constant per chain, ``(B,)``, for chains ``idx``."""
-        delta = t - self.mu[idx]
-        z = torch.linalg.solve_triangular(self.tril[idx], delta[..., None], upper=False)[..., 0]
-        maha = z.square().sum(-1)
-        df = self.kernel.df
-        if df is None:
+        z = np.einsum("bij,bj->bi", self.tril_inv[idx], t - self.mu[idx])
+        maha = (z * z).sum(-1)
+        if self.df is None:
             return -0.5 * maha
-        return -0.5 * (df + self.k) * torch.log1p(maha / df)
+        return -0.5 * (self.df + self.k) * np.log1p(maha / self.df)
 
     def advance(self) -> None:
         """One transition of every chain (Nishihara et al. 2014, Alg. 2; Murray et al. 2010)."""
-        kernel, k, size = self.kernel, self.k, self.size
-        every = torch.arange(size)
-        x, mu, tril = self.x, self.mu, self.tril
+        k, df, every = self.k, self.df, np.arange(self.size)
+        x, mu = self.x, self.mu
         # per-chain random numbers, in the same order whatever the batch size
-        nus, log_us, phis = [], [], []
-        for c, g in enumerate(self.gens):
-            scale = 1.0
-            if kernel.df is not None:
-                chi2 = torch.randn(kernel.df + k, generator=g, dtype=torch.float64).square().sum()
-                z = torch.linalg.solve_triangular(tril[c], (x[c] - mu[c])[:, None], upper=False)
-                scale = float((kernel.df + z.square().sum()) / chi2)
-            eps = torch.randn(k, generator=g, dtype=torch.float64)
-            nus.append(math.sqrt(scale) * (tril[c] @ eps))
-            u, phi = torch.rand(2, generator=g, dtype=torch.float64).tolist()
-            log_us.append(math.log(u or 1e-300))
-            phis.append(phi * 2 * math.pi)
-        nu = torch.stack(nus)
-        ell = self.lp - self._log_reference(x, every)
-        log_y = ell + torch.tensor(log_us, dtype=torch.float64)
-        phi = torch.tensor(phis, dtype=torch.float64)
-        lo, hi = phi - 2 * math.pi, phi.clone()
+        extra = 0 if df is None else df + k
+        draws = [(g.standard_normal(extra + k), g.random(2)) for g in self.gens]
+        normals = np.stack([d[0] for d in draws])
+        u, phi = np.stack([d[1] for d in draws]).T
+        eps = normals[:, extra:]
+        nu = np.einsum("cij,cj->ci", self.tril, eps)
+        if df is not None:  # s ~ InvGamma((df+K)/2, (df + δᵀΣ⁻¹δ)/2) = (df + δᵀΣ⁻¹δ) / χ²_{df+K}
+            z = np.einsum("cij,cj->ci", self.tril_inv, x - mu)
+            scale = (df + (z * z).sum(-1)) / (normals[:, :extra] ** 2).sum(-1)
+            nu = nu * np.sqrt(scale)[:, None]
+        log_y = self.lp - self._log_reference(x, every) + np.log(np.maximum(u, 1e-300))
+        phi = phi * 2 * math.pi
+        lo, hi = phi - 2 * math.pi, phi.copy()
         active = every
-        new_x, new_lp = x.clone(), self.lp.clone()
-        for _ in range(kernel.max_shrinks):
-            a = active
-            ph = phi[a]
-            prop = mu[a] + (x[a] - mu[a]) * ph.cos()[:, None] + nu[a] * ph.sin()[:, None]
+        new_x, new_lp = x.copy(), self.lp.copy()
+        for _ in range(self.kernel.max_shrinks):
+            a, ph = active, phi[active]
+            prop = mu[a] + (x[a] - mu[a]) * np.cos(ph)[:, None] + nu[a] * np.sin(ph)[:, None]
             lp = self._log_target(prop)
             self.passes += 1
             self.evals[a] += 1
-            ok = (lp - self._log_reference(prop, a)) > log_y[a]
-            ok = ok & torch.isfinite(lp)
+            with np.errstate(invalid="ignore"):
+                ok = (lp - self._log_reference(prop, a) > log_y[a]) & np.isfinite(lp)
             new_x[a[ok]], new_lp[a[ok]] = prop[ok], lp[ok]
-            still = a[~ok]
-            if still.numel() == 0:
+            active = a[~ok]
+            if active.size == 0:
                 break
-            for c in still.tolist():  # shrink towards 0 at φ, redraw φ from chain c's stream
-                if phi[c] < 0:
-                    lo[c] = phi[c]
-                else:
-                    hi[c] = phi[c]
-                r = torch.rand((), generator=self.gens[c], dtype=torch.float64)
-                phi[c] = lo[c] + (hi[c] - lo[c]) * r
-            active = still
+            neg = phi[active] < 0  # shrink towards 0 at φ, redraw φ from the chain's stream
+            lo[active[neg]] = phi[active[neg]]
+            hi[active[~neg]] = phi[active[~neg]]
+            r = np.array([self.gens[c].random() for c in active])
+            phi[active] = lo[active] + (hi[active] - lo[active]) * r
         else:
             raise RuntimeError(
-                f"sample: no acceptable point after {kernel.max_shrinks} bracket shrinkages; "
-                "the log-likelihood is NaN or -inf around the current state"
+                f"sample: no acceptable point after {self.kernel.max_shrinks} bracket "
+                "shrinkages; the log-likelihood is NaN or -inf around the current state"
             )
         self.x, self.lp = new_x, new_lp
-        self.states.append(new_x.to(self.model_dtype))
-        step = len(self.states) - 1
+        self.states.append(torch.from_numpy(new_x).to(self.model_dtype))
+        self.steps = step = len(self.states) - 1
         if self.schedule and step == self.schedule[0]:
             self.schedule.pop(0)
             self._refit(step)
@@ -376,13 +376,14 @@ class _Batch:
         # a little shrinkage towards the diagonal, and an inflation: a reference a bit wider
         # than the posterior keeps L̃ bounded in the tails
         diag = torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
-        cov = 1.2 * ((1 - 0.1) * cov + 0.1 * diag)
+        cov = INFLATION * ((1 - SHRINKAGE) * cov + SHRINKAGE * diag)
         for c in range(self.size):
             try:
-                tril = _cholesky(cov[c])
+                tril = _cholesky(cov[c]).numpy()
             except ValueError:
                 continue  # a degenerate window (e.g. a stuck chain): keep the old reference
-            self.mu[c], self.tril[c] = mean[c], tril
+            self.mu[c], self.tril[c] = mean[c].numpy(), tril
+            self.tril_inv[c] = np.linalg.inv(tril)
 
 
 def _same(a: tuple, b: tuple) -> bool:
