@@ -129,3 +129,36 @@ for ax, (name, (mcmc, _)) in zip(axes, runs.items(), strict=True):
 fig.tight_layout()
 fig.savefig(OUT / "02_elliptical_slice.png", dpi=100)
 print("wrote", OUT / "02_elliptical_slice.png")
+
+# %% [markdown]
+# ## A fitted reference: generalised elliptical slice sampling
+# At `T = 1` the posterior is much narrower than the prior and plain ESS shrinks its bracket
+# many times per draw. `GeneralizedEllipticalSliceSampler` slices over a Gaussian reference
+# `N(μ, Σ)` fitted to the posterior (here the Laplace guide, refined from the warm-up draws) and
+# treats `p(t) L(t) / N(t; μ, Σ)` as the likelihood (Nishihara, Murray & Adams, 2014);
+# `chains=2` advances both chains in one batched likelihood evaluation. Checked against the
+# plain kernel on the same model: the two posterior means agree within their Monte Carlo error.
+
+# %%
+from pyro_subspace.infer import GeneralizedEllipticalSliceSampler
+
+cold = SubspaceNet(net, subspaces.pca(collector, rank=2), likelihood, temperature=1.0)
+means = {}
+for name, kernel in [
+    ("ESS", EllipticalSliceSampler(cold)),
+    ("GESS", GeneralizedEllipticalSliceSampler(cold, reference="laplace", chains=2, seed=0)),
+]:
+    mcmc = MCMC(kernel, num_samples=SAMPLES, warmup_steps=WARMUP, num_chains=2,
+                disable_progbar=True)  # fmt: skip
+    start = time.perf_counter()
+    mcmc.run(data.x_train, data.y_train)
+    seconds = time.perf_counter() - start
+    idata = convert.to_inference_data(mcmc, seed=0)
+    ess = float(az.ess(idata, var_names=["t"])["t"].min())
+    evals = sum(mcmc.diagnostics()["evaluations per draw"].values()) / 2
+    t = mcmc.get_samples()["t"]
+    means[name] = (t.mean(0), t.std(0) / max(ess, 1.0) ** 0.5)
+    print(f"{name:<5} T=1  {seconds:6.1f} s   min bulk ESS {ess:6.0f}   ESS/s {ess / seconds:7.1f}"
+          f"   evaluations/draw {evals:.2f}")  # fmt: skip
+(m1, se1), (m2, se2) = means["ESS"], means["GESS"]
+assert ((m1 - m2).abs() <= 5 * (se1**2 + se2**2).sqrt() + 1e-3).all(), (m1, m2)
