@@ -46,6 +46,7 @@ from torch.distributions import Independent
 
 REFERENCES = ("warmup", "laplace", "prior")
 INFLATION, SHRINKAGE = 1.2, 0.1  # of the covariance refitted from warm-up draws
+MIN_DRAWS_PER_DIM = 20  # a refit needs at least 20 K warm-up draws in its window
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: chain j's seed is hash of (seed, j)
 
 
@@ -62,7 +63,8 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
             pair ``(μ (K,), Σ (K, K) or (K,))``, e.g. SWAG moments mapped into the subspace.
         df: ``None`` for a Gaussian reference, a positive int for a multivariate-t reference.
         adapt: refit ``(μ, Σ)`` from the chain's own warm-up draws (the later half, at warm-up
-            steps 25, 50, 100, … and at the end of warm-up).
+            steps 25, 50, 100, … and at the end of warm-up, once that half holds ≥ 20 K draws;
+            a covariance from fewer draws was measured to be a worse reference than Laplace's).
         chains: ``None``: every ``MCMC`` chain is sampled on its own; an int ``C``: the kernel
             advances ``C`` chains together; run it with ``MCMC(..., num_chains=C)`` (in one
             process: in a worker of Pyro's multiprocessing driver each chain runs on its own).
@@ -368,7 +370,7 @@ class _Batch:
         """``(μ_c, Σ_c)`` from the later half of chain ``c``'s warm-up draws so far."""
         draws = torch.stack(self.states[step // 2 + 1 : step + 1]).double()  # (n, C, K)
         n = draws.shape[0]
-        if n < 2 * self.k + 4:
+        if n < MIN_DRAWS_PER_DIM * self.k:  # a covariance from fewer draws is worse than none
             return
         mean = draws.mean(0)
         centred = draws - mean
