@@ -76,7 +76,7 @@ def wrong_references():
 def test_wrong_fixed_reference_still_samples_the_posterior(name, df):
     *_, mean, cov = problem()
     kern = kernel(wrong_references()[name], df=df, adapt=False, chains=4, seed=11)
-    mcmc = run(kern, samples=1000)
+    mcmc = run(kern, samples=800)
     assert_matches_gaussian(mcmc.get_samples(group_by_chain=True)["t"], mean, cov)
 
 
@@ -97,7 +97,7 @@ def subspace_model(temperature):
     return model, x, y
 
 
-@pytest.mark.parametrize("reference", ["laplace", "guide", "prior"])
+@pytest.mark.parametrize("reference", ["laplace", "guide"])
 def test_subspace_net_posterior_with_laplace_and_prior_references(reference):
     model, x, y = subspace_model(temperature=2.0)
     mean, cov = conjugate_posterior(x, y, SIGMA, PRIOR, temperature=2.0)
@@ -106,7 +106,7 @@ def test_subspace_net_posterior_with_laplace_and_prior_references(reference):
         # linear-Gaussian: the Laplace guide is the posterior (dense algebra, independent)
         torch.testing.assert_close(reference.loc, mean)
     kern = GeneralizedEllipticalSliceSampler(model, reference=reference, chains=2, seed=5)
-    mcmc = run(kern, x, y, samples=800, chains=2)
+    mcmc = run(kern, x, y, samples=600, chains=2)
     assert_matches_gaussian(mcmc.get_samples(group_by_chain=True)["t"], mean, cov)
 
 
