@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -179,11 +180,16 @@ def run_chains(kernel, x, y, draws: int, warmup: int, chains: int):
     """``(seconds, min bulk ESS, max R-hat, evaluations/draw, batched passes/draw)``."""
     pyro.set_rng_seed(0)
     mcmc = MCMC(kernel, num_samples=draws, warmup_steps=warmup, num_chains=chains, disable_progbar=True)
+    counter = CallCounter(kernel.model)
     start = time.perf_counter()
     mcmc.run(x, y)
     seconds = time.perf_counter() - start
+    counter.handle.remove()
     diag = mcmc.diagnostics()
-    evals = sum(diag["evaluations per draw"].values()) / chains
+    if "evaluations per draw" in diag:
+        evals = sum(diag["evaluations per draw"].values()) / chains
+    else:  # NUTS: model calls with gradient, minus the driver's set-up traces
+        evals = max(counter.calls - 2 * chains, 0) / (chains * (draws + warmup))
     passes = diag.get("passes per draw", {}).get("chain 0", evals)
     posterior = az.from_dict(posterior={"t": mcmc.get_samples(group_by_chain=True)["t"].numpy()})
     ess = float(az.ess(posterior, method="bulk")["t"].min())
@@ -258,6 +264,7 @@ def main() -> None:
             args.draws, args.warmup = 100, 60
         print(f"# load average at start: {open('/proc/loadavg').read().split()[:3]}")
         busy = None
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so `finally` ends the load
         if args.load:  # a deliberate second load: one core kept busy for the whole run
             busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
             print(f"# with a busy-loop load process (pid {busy.pid})")
