@@ -179,7 +179,9 @@ def slice_kernel(kind: str, model: SubspaceNet, chains: int):
 def run_chains(kernel, x, y, draws: int, warmup: int, chains: int):
     """``(seconds, min bulk ESS, max R-hat, evaluations/draw, batched passes/draw)``."""
     pyro.set_rng_seed(0)
-    mcmc = MCMC(kernel, num_samples=draws, warmup_steps=warmup, num_chains=chains, disable_progbar=True)
+    mcmc = MCMC(
+        kernel, num_samples=draws, warmup_steps=warmup, num_chains=chains, disable_progbar=True
+    )
     counter = CallCounter(kernel.model)
     start = time.perf_counter()
     mcmc.run(x, y)
@@ -201,7 +203,8 @@ def gess_tables(args) -> None:
     kinds = ("ESS", "GESS-sep", "GESS-bat")
     print(
         f"{args.draws} draws + {args.warmup} warm-up per chain; slice kernels {args.chains} "
-        f"chains (generalised: best of {args.rounds} interleaved rounds), NUTS {args.nuts_chains} chains "
+        f"chains (generalised: best of {args.rounds} interleaved rounds), "
+        f"NUTS {args.nuts_chains} chains "
         f"(one round); torch threads {torch.get_num_threads()}; CPU"
     )
     head = (
@@ -221,7 +224,8 @@ def gess_tables(args) -> None:
             for rank in (2, 5, 10):
                 model = SubspaceNet(net, subspaces.pca(col, rank), lik, temperature=temp)
                 nuts = run_chains(NUTS(model), x, y, args.draws, args.warmup, args.nuts_chains)
-                rows: dict = {"ESS": run_chains(slice_kernel("ESS", model, 0), x, y, args.draws, args.warmup, args.chains)}
+                plain = slice_kernel("ESS", model, 0)
+                rows = {"ESS": run_chains(plain, x, y, args.draws, args.warmup, args.chains)}
                 for _ in range(args.rounds):
                     for kind in kinds[1:]:
                         kernel = slice_kernel(kind, model, args.chains)

@@ -21,7 +21,8 @@ f64 = torch.float64
 def problem(temperature=1.0):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(N, K, generator=gen, dtype=f64)
-    y = x @ torch.tensor([1.0, -0.5, 0.25], dtype=f64) + SIGMA * torch.randn(N, generator=gen, dtype=f64)
+    y = x @ torch.tensor([1.0, -0.5, 0.25], dtype=f64)
+    y = y + SIGMA * torch.randn(N, generator=gen, dtype=f64)
     prior = dist.Normal(torch.zeros(K, dtype=f64), PRIOR * torch.ones(K, dtype=f64)).to_event(1)
 
     def loglik(t):  # (B, K) -> (B,), tempered, closed form
@@ -39,16 +40,19 @@ def kernel(reference, **kwargs):
 
 
 def run(kern, *args, samples=1000, warmup=100, chains=4):
-    mcmc = MCMC(kern, num_samples=samples, warmup_steps=warmup, num_chains=chains, disable_progbar=True)
+    mcmc = MCMC(
+        kern, num_samples=samples, warmup_steps=warmup, num_chains=chains, disable_progbar=True
+    )
     mcmc.run(*args)
     return mcmc
 
 
 def assert_matches_gaussian(by_chain, mean, cov):
-    """Mean and covariance within 4.5 Monte Carlo standard errors, from ArviZ's bulk ESS."""
+    """Mean and covariance within 4.5 Monte Carlo standard errors, from ArviZ's ESS."""
     idata = az.from_dict(posterior={"t": by_chain.numpy()})
     assert float(az.rhat(idata)["t"].max()) < 1.05  # a sanity check; the test is below
-    ess = float(az.ess(idata, method="bulk")["t"].min())
+    # the smaller of bulk and tail ESS: a variance estimate depends on the tails
+    ess = min(float(az.ess(idata, method=m)["t"].min()) for m in ("bulk", "tail"))
     samples = by_chain.reshape(-1, by_chain.shape[-1])
     emp_mean, emp_cov = samples.mean(0), torch.cov(samples.T)
     assert ((emp_mean - mean).abs() <= 4.5 * (cov.diagonal() / ess).sqrt()).all(), (emp_mean, mean)
@@ -93,7 +97,8 @@ def subspace_model(temperature):
     x, y, *_ = problem()
     net = nn.Linear(K, 1, bias=False).double()
     sub = Subspace(torch.zeros(K, dtype=f64), torch.eye(K, dtype=f64))
-    model = SubspaceNet(net, sub, likelihoods.Gaussian(SIGMA), prior_scale=PRIOR, temperature=temperature)
+    lik = likelihoods.Gaussian(SIGMA)
+    model = SubspaceNet(net, sub, lik, prior_scale=PRIOR, temperature=temperature)
     return model, x, y
 
 
@@ -114,8 +119,8 @@ def test_subspace_net_posterior_with_laplace_and_prior_references(reference):
     "name, df", [("far shifted", None), ("too narrow", None), ("far too narrow", 4)]
 )
 def test_one_transition_leaves_the_posterior_invariant_and_is_reversible(name, df):
-    """Start 1500 independent chains (one batch) at exact posterior draws, take one transition each: the
-    new states are again posterior draws, and (x, x') is exchangeable (detailed balance):
+    """Start 1500 independent chains (one batch) at exact posterior draws, take one transition
+    each: the new states are again posterior draws, and (x, x') is exchangeable (detailed balance):
     E[x x'ᵀ] = E[x' xᵀ] (Gaussian reference; with df the scale draw and the slice step compose
     to an invariant but not reversible kernel), within Monte Carlo error of 1500 pairs. This
     also covers references too poor to mix well enough for the long-run tests above."""
@@ -158,9 +163,11 @@ def test_batched_chains_equal_chains_run_one_at_a_time(df):
         ]
     )
     b = batched.get_samples(group_by_chain=True)["t"]
-    torch.testing.assert_close(b, separate.get_samples(group_by_chain=True)["t"], rtol=0, atol=1e-12)
+    s = separate.get_samples(group_by_chain=True)["t"]
+    torch.testing.assert_close(b, s, rtol=0, atol=1e-12)
     torch.testing.assert_close(b, one_by_one, rtol=0, atol=1e-12)
-    assert batched.diagnostics()["evaluations per draw"] == separate.diagnostics()["evaluations per draw"]
+    evals = batched.diagnostics()["evaluations per draw"]
+    assert evals == separate.diagnostics()["evaluations per draw"]
     assert not torch.equal(b[0], b[1])  # the chains are distinct
 
 
@@ -168,7 +175,8 @@ def test_reproducible_with_torch_manual_seed():
     draws = []
     for seed in (4, 4, 5):
         torch.manual_seed(seed)
-        draws.append(run(kernel("warmup", chains=2), samples=50, warmup=30, chains=2).get_samples()["t"])
+        mcmc = run(kernel("warmup", chains=2), samples=50, warmup=30, chains=2)
+        draws.append(mcmc.get_samples()["t"])
     assert torch.equal(draws[0], draws[1])
     assert not torch.equal(draws[0], draws[2])
 

@@ -12,8 +12,10 @@ Bhandari & Cunningham 2016, eq. 3):
 *Gaussian reference* ``R = N(μ, Σ)``: one transition from ``t`` (Murray et al. 2010, Fig. 2, with
 ``L̃`` for ``L``):
 
-    ν ~ N(0, Σ);  log y = log L̃(t) + log u,  u ~ U(0, 1);  φ ~ U[0, 2π], [φ_min, φ_max] = [φ − 2π, φ]
-    loop:  t' = μ + (t − μ) cos φ + ν sin φ;  accept t' if log L̃(t') > log y, else shrink and redraw φ
+    ν ~ N(0, Σ);  log y = log L̃(t) + log u,  u ~ U(0, 1)
+    φ ~ U[0, 2π];  [φ_min, φ_max] = [φ − 2π, φ]
+    loop:  t' = μ + (t − μ) cos φ + ν sin φ
+           accept t' if log L̃(t') > log y, else shrink the bracket and redraw φ
 
 *Multivariate-t reference* ``R = t_df(μ, Σ)`` (Nishihara et al., Algorithm 2): first draw the scale
 ``s ~ InvGamma((df + K)/2, (df + (t − μ)ᵀΣ⁻¹(t − μ))/2)``, then the transition above with
@@ -109,7 +111,9 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
                 f"{type(model).__name__}; for other Pyro models use EllipticalSliceSampler"
             )
         if isinstance(reference, str) and reference not in REFERENCES:
-            raise ValueError(f"reference: expected one of {REFERENCES} or a Gaussian, got {reference!r}")
+            raise ValueError(
+                f"reference: expected one of {REFERENCES} or a Gaussian, got {reference!r}"
+            )
         if reference == "laplace" and model is None:
             raise ValueError("reference: 'laplace' needs a SubspaceNet model")
         if df is not None and (isinstance(df, bool) or not isinstance(df, int) or df < 1):
@@ -117,7 +121,9 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
         for name, value in (("chunk_size", chunk_size), ("max_shrinks", max_shrinks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if chains is not None and (isinstance(chains, bool) or not isinstance(chains, int) or chains < 1):
+        if chains is not None and (
+            isinstance(chains, bool) or not isinstance(chains, int) or chains < 1
+        ):
             raise ValueError(f"chains: expected None or a positive int, got {chains!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed: expected an int or None, got {type(seed).__name__}")
@@ -300,7 +306,8 @@ class _Batch:
             )
         self.x = x
         self.states = [torch.from_numpy(x).to(self.model_dtype)]
-        adapt = kernel.adapt and not (isinstance(kernel.reference, str) and kernel.reference == "prior")
+        plain = isinstance(kernel.reference, str) and kernel.reference == "prior"
+        adapt = kernel.adapt and not plain
         self.schedule = _adapt_schedule(warmup) if adapt else []
 
     def _log_target(self, t: np.ndarray) -> np.ndarray:
@@ -429,7 +436,8 @@ def _moments(ref: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(base, (Normal, MultivariateNormal)) or ref.event_shape.numel() == 0:
             raise TypeError(
                 "reference: expected 'warmup', 'laplace', 'prior', a fitted AutoSubspaceLaplace, "
-                f"a Normal/MultivariateNormal over t or a (loc, covariance) pair, got {type(ref).__name__}"
+                "a Normal/MultivariateNormal over t or a (loc, covariance) pair, got "
+                f"{type(ref).__name__}"
             )
         mu = ref.mean.double().reshape(-1)
         if isinstance(base, MultivariateNormal):
