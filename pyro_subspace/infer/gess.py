@@ -70,7 +70,8 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
         chains: ``None``: every ``MCMC`` chain is sampled on its own; an int ``C``: the kernel
             advances ``C`` chains together; run it with ``MCMC(..., num_chains=C)`` (in one
             process: in a worker of Pyro's multiprocessing driver each chain runs on its own).
-        seed: base seed of the chains' generators; ``None``: drawn from torch's global generator
+        seed: base seed of the chains' generators; ``None`` (and in a worker process of Pyro's
+            parallel driver, which seeds each worker): drawn from torch's global generator
             (reproducible with ``torch.manual_seed``).
         chunk_size: rows of data per forward pass.
         max_shrinks: bracket shrinkages before a transition raises ``RuntimeError``.
@@ -177,7 +178,7 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
             prior, loglik = self._target(args, kwargs)
             mu, cov = self._initial_reference(prior, args, kwargs)
             first = self._chain_count
-            if self.seed is not None:
+            if self.seed is not None and os.getpid() == self._pid:
                 seeds = [(self.seed * _MIX + 7919 * (first + j)) % 2**63 for j in range(size)]
             else:
                 seeds = torch.randint(0, 2**62, (size,)).tolist()
@@ -256,7 +257,12 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
         if isinstance(ref, str):
             if ref != "laplace":
                 return _moments(prior)
-            key = (id(args[0]) if args else None, id(args[1]) if len(args) > 1 else None)
+            key = (
+                id(args[0]) if args else None,
+                id(args[1]) if len(args) > 1 else None,
+                self.model.temperature,
+                self.model.rank,
+            )
             if self._laplace_key != key:  # fit once per data set, not once per chain
                 from .laplace import AutoSubspaceLaplace
 
