@@ -267,7 +267,8 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
                 from .laplace import AutoSubspaceLaplace
 
                 guide = AutoSubspaceLaplace(self.model, chunk_size=min(self.chunk_size, 1024))
-                guide.fit(*args, **kwargs)
+                # a reference needs no tight MAP: the sampler is exact for any reference
+                guide.fit(*args, **kwargs, max_iter=100, tol=1e-3)
                 self._laplace, self._laplace_key = _moments(guide), key
             return self._laplace
         return _moments(ref)
