@@ -12,7 +12,17 @@ kernel's ``sample`` alone and, in brackets, for a step of Pyro's ``MCMC`` driver
 Finally the peak memory of one likelihood evaluation on N = 200,000 points, chunked vs not,
 each measured in a fresh process (``ru_maxrss`` increase).
 
+``--gess`` prints instead the generalised elliptical slice tables (issue 13): at T = N/K and
+T = 1, for toy and diabetes and K = 2, 5, 10: NUTS, plain ESS, and
+`GeneralizedEllipticalSliceSampler` (Laplace reference refined from the warm-up draws) with its
+chains run one at a time and in one batched pass; effective samples/s, R-hat, evaluations (and
+batched passes) per draw and the ratio to NUTS. The two generalised kernels run interleaved in
+``--rounds`` rounds with the same seed (same draws), best time kept; NUTS and plain ESS once
+(their cost). Wall
+times include the Laplace fit and warm-up. ``--load`` runs a busy-loop Python process alongside.
+
     python benchmarks/ess_vs_nuts.py [--draws 400] [--warmup 200] [--quick]
+    python benchmarks/ess_vs_nuts.py --gess [--chains 4] [--load] [--quick]
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import argparse
 import itertools
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +42,7 @@ import torch
 from pyro.infer import MCMC, NUTS
 from torch import nn
 
+from pyro_subspace.infer import GeneralizedEllipticalSliceSampler
 from pyro_subspace import (
     EllipticalSliceSampler,
     SubspaceNet,
@@ -185,6 +197,79 @@ def ess_memory_child(n: int) -> None:
     print(setup, peak() - before)
 
 
+def slice_kernel(kind: str, model: SubspaceNet, chains: int):
+    if kind == "ESS":
+        return EllipticalSliceSampler(model)
+    batched = chains if kind == "GESS-bat" else None
+    return GeneralizedEllipticalSliceSampler(model, reference="laplace", chains=batched, seed=0)
+
+
+def run_chains(kernel, x, y, draws: int, warmup: int, chains: int):
+    """``(seconds, min bulk ESS, max R-hat, evaluations/draw, batched passes/draw)``."""
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(
+        kernel, num_samples=draws, warmup_steps=warmup, num_chains=chains, disable_progbar=True
+    )
+    counter = CallCounter(kernel.model)
+    start = time.perf_counter()
+    mcmc.run(x, y)
+    seconds = time.perf_counter() - start
+    counter.handle.remove()
+    diag = mcmc.diagnostics()
+    if "evaluations per draw" in diag:
+        evals = sum(diag["evaluations per draw"].values()) / chains
+    else:  # NUTS: model calls with gradient, minus the driver's set-up traces
+        evals = max(counter.calls - 2 * chains, 0) / (chains * (draws + warmup))
+    passes = diag.get("passes per draw", {}).get("chain 0", evals)
+    posterior = az.from_dict(posterior={"t": mcmc.get_samples(group_by_chain=True)["t"].numpy()})
+    ess = float(az.ess(posterior, method="bulk")["t"].min())
+    rhat = float(az.rhat(posterior)["t"].max())
+    return seconds, ess, rhat, evals, passes
+
+
+def gess_tables(args) -> None:
+    kinds = ("ESS", "GESS-sep", "GESS-bat")
+    print(
+        f"{args.draws} draws + {args.warmup} warm-up per chain; slice kernels {args.chains} "
+        f"chains (generalised: best of {args.rounds} interleaved rounds), "
+        f"NUTS {args.nuts_chains} chains "
+        f"(one round); torch threads {torch.get_num_threads()}; CPU"
+    )
+    head = (
+        f"{'T':<6}{'data':<9}{'K':>3} {'sampler':<9}{'wall s':>8}{'bulk ESS':>9}{'ESS/s':>9}"
+        f"{'R-hat':>7}{'evals/draw':>11}{'passes':>7}{'vs NUTS':>8}"
+    )
+    print(head)
+    cache: dict = {}
+    for temperature in args.temperatures.split(","):
+        temp = temperature if temperature == "auto" else float(temperature)
+        label = "N/K" if temp == "auto" else temperature
+        for name in args.data.split(","):
+            if name not in cache:  # train once per data set
+                cache[name] = trained(name, args.quick)
+            data, net, lik, col = cache[name]
+            x, y = data.x_train, data.y_train
+            for rank in (2, 5, 10):
+                model = SubspaceNet(net, subspaces.pca(col, rank), lik, temperature=temp)
+                nuts = run_chains(NUTS(model), x, y, args.draws, args.warmup, args.nuts_chains)
+                plain = slice_kernel("ESS", model, 0)
+                rows = {"ESS": run_chains(plain, x, y, args.draws, args.warmup, args.chains)}
+                for _ in range(args.rounds):
+                    for kind in kinds[1:]:
+                        kernel = slice_kernel(kind, model, args.chains)
+                        res = run_chains(kernel, x, y, args.draws, args.warmup, args.chains)
+                        if kind not in rows or res[0] < rows[kind][0]:
+                            rows[kind] = res
+                rate_nuts = nuts[1] / nuts[0]
+                for kind, (secs, ess, rhat, evals, passes) in [("NUTS", nuts), *rows.items()]:
+                    ratio = "" if kind == "NUTS" else f"{ess / secs / rate_nuts:>8.1f}"
+                    print(
+                        f"{label:<6}{name:<9}{rank:>3} {kind:<9}{secs:>8.1f}{ess:>9.0f}"
+                        f"{ess / secs:>9.1f}{rhat:>7.3f}{evals:>11.2f}{passes:>7.2f}{ratio}",
+                        flush=True,
+                    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draws", type=int, default=400)
@@ -196,6 +281,13 @@ def main() -> None:
     parser.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ess-memory-child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--memory-only", action="store_true", help="only the memory section")
+    parser.add_argument("--gess", action="store_true", help="the generalised ESS tables")
+    parser.add_argument("--chains", type=int, default=4, help="--gess: slice-kernel chains")
+    parser.add_argument("--nuts-chains", type=int, default=2, help="--gess: NUTS chains")
+    parser.add_argument("--rounds", type=int, default=2, help="--gess: interleaved rounds")
+    parser.add_argument("--temperatures", default="auto,1", help="--gess: comma-separated")
+    parser.add_argument("--data", default="toy,diabetes", help="--gess: comma-separated")
+    parser.add_argument("--load", action="store_true", help="--gess: a busy-loop process alongside")
     args = parser.parse_args()
     if args.memory_child is not None:
         memory_child(args.memory_child)
@@ -205,6 +297,24 @@ def main() -> None:
         return
     if args.memory_only:
         memory_section()
+        return
+    if args.gess:
+        torch.set_num_threads(1)
+        if args.quick:
+            args.draws, args.warmup = 100, 60
+        print(f"# load average at start: {open('/proc/loadavg').read().split()[:3]}")
+        busy = None
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so `finally` ends the load
+        if args.load:  # a deliberate second load: one core kept busy for the whole run
+            busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            print(f"# with a busy-loop load process (pid {busy.pid})")
+        try:
+            gess_tables(args)
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
+        print(f"# load average at end: {open('/proc/loadavg').read().split()[:3]}")
         return
     if args.quick:
         args.draws, args.warmup = 60, 30

@@ -129,3 +129,37 @@ for ax, (name, (mcmc, _)) in zip(axes, runs.items(), strict=True):
 fig.tight_layout()
 fig.savefig(OUT / "02_elliptical_slice.png", dpi=100)
 print("wrote", OUT / "02_elliptical_slice.png")
+
+# %% [markdown]
+# ## A fitted reference: generalised elliptical slice sampling
+# At `T = 1` the posterior is much narrower than the prior and plain ESS shrinks its bracket
+# many times per draw. `GeneralizedEllipticalSliceSampler` slices over a Gaussian reference
+# `N(μ, Σ)` fitted to the posterior (here the Laplace guide, refined from the warm-up draws) and
+# treats `p(t) L(t) / N(t; μ, Σ)` as the likelihood (Nishihara, Murray & Adams, 2014);
+# `chains=2` advances both chains in one batched likelihood evaluation. Checked against the
+# Laplace approximation it started from: at `T = 1` on 400 points the posterior is close to
+# Gaussian, so the sampled mean lies within a fraction of a posterior standard deviation of the
+# MAP and the sampled spread is within a factor 2 of Laplace's.
+
+# %%
+from pyro_subspace.infer import AutoSubspaceLaplace, GeneralizedEllipticalSliceSampler
+
+cold = SubspaceNet(net, subspaces.pca(collector, rank=2), likelihood, temperature=1.0)
+laplace = AutoSubspaceLaplace(cold).fit(data.x_train, data.y_train)
+for name, kernel in [
+    ("ESS", EllipticalSliceSampler(cold)),
+    ("GESS", GeneralizedEllipticalSliceSampler(cold, reference=laplace, chains=2, seed=0)),
+]:
+    mcmc = MCMC(kernel, num_samples=SAMPLES, warmup_steps=WARMUP, num_chains=2,
+                disable_progbar=True)  # fmt: skip
+    start = time.perf_counter()
+    mcmc.run(data.x_train, data.y_train)
+    seconds = time.perf_counter() - start
+    ess = float(az.ess(convert.to_inference_data(mcmc, seed=0), var_names=["t"])["t"].min())
+    evals = sum(mcmc.diagnostics()["evaluations per draw"].values()) / 2
+    print(f"{name:<5} T=1  {seconds:6.1f} s   min bulk ESS {ess:6.0f}   ESS/s {ess / seconds:7.1f}"
+          f"   evaluations/draw {evals:.2f}")  # fmt: skip
+t = mcmc.get_samples()["t"].double()  # the generalised kernel's draws
+sd = laplace.covariance.diagonal().sqrt()
+assert ((t.mean(0) - laplace.loc).abs() <= 0.5 * sd + 5 * t.std(0) / len(t) ** 0.5).all()
+assert ((t.std(0) / sd > 0.5) & (t.std(0) / sd < 2)).all(), (t.std(0), sd)

@@ -2,6 +2,7 @@
 
 from .ensembles import DeepEnsemble, MixturePredictor, TrainedEnsemble, train_ensemble
 from .ess import EllipticalSliceSampler
+from .gess import GeneralizedEllipticalSliceSampler
 from .laplace import (
     AutoSubspaceLaplace,
     DiagonalLaplace,
@@ -19,6 +20,7 @@ __all__ = [
     "DeepEnsemble",
     "DiagonalLaplace",
     "EllipticalSliceSampler",
+    "GeneralizedEllipticalSliceSampler",
     "Laplace",
     "LastLayerLaplace",
     "MixtureOfLaplace",
