@@ -266,9 +266,12 @@ def preserved(
             ``num_batches_tracked``), copied back in place into the same tensors.
 
     Example:
+        >>> net = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)).eval()
         >>> with preserved(net, buffers=True):
-        ...     net.train()
-        ...     net(x)  # updates the BatchNorm statistics, which are then restored
+        ...     _ = net.train()
+        ...     _ = net(torch.randn(8, 2))  # updates the BatchNorm statistics ...
+        >>> net.training, net[1].running_mean  # ... which are restored, as is the mode
+        (False, tensor([0., 0., 0.]))
     """
     saved_modes = [(m, m.training) for net in modules for m in net.modules()] if modes else []
     saved_buffers = (

@@ -91,11 +91,16 @@ class PatchedNet(PyroModule):
     the names ``loc_<param>``: call ``pyro.clear_param_store()`` before building a second model.
 
     Example:
+        >>> pyro.clear_param_store()
+        >>> x, y = torch.randn(100, 64), torch.randint(0, 10, (100,))
         >>> net = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
         >>> model = PatchedNet(net, likelihoods.Categorical(), mode="ecmp", prior_precision=1.0)
         >>> svi = SVI(model, model.guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
-        >>> svi.step(x_batch, y_batch, num_data=len(x_train))  # doctest: +SKIP
-        >>> probs = model.predictive_mean(x_test, num_samples=100)  # doctest: +SKIP
+        >>> _ = model.train()
+        >>> loss = svi.step(x[:20], y[:20], num_data=100)  # a minibatch of 20 of 100 points
+        >>> per_point = (loss - model.elbo_constant) / 100  # without the constant C (eq. 7)
+        >>> model.predictive_mean(x[:5], num_samples=8).shape  # class probabilities
+        torch.Size([5, 10])
     """
 
     def __init__(

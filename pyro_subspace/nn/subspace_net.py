@@ -62,9 +62,18 @@ class SubspaceNet(PyroModule):
     (also ``parallel=True``: leading sample dimensions of ``t`` are vectorised with ``vmap``).
 
     Example:
+        >>> x = torch.linspace(-1, 1, 30).unsqueeze(-1)
+        >>> y = torch.sin(3 * x[:, 0])
         >>> net = nn.Sequential(nn.Linear(1, 20), nn.Tanh(), nn.Linear(20, 1))
         >>> model = SubspaceNet(net, subspaces.random(net, 5, seed=0), likelihoods.Gaussian(0.1))
-        >>> pyro.infer.MCMC(pyro.infer.NUTS(model), num_samples=100).run(x, y)  # doctest: +SKIP
+        >>> kernel = infer.EllipticalSliceSampler(model)  # or pyro.infer.NUTS(model)
+        >>> mcmc = pyro.infer.MCMC(kernel, num_samples=20, warmup_steps=10, disable_progbar=True)
+        >>> mcmc.run(x, y)
+        >>> t = mcmc.get_samples()["t"]
+        >>> t.shape
+        torch.Size([20, 5])
+        >>> pyro.infer.Predictive(model, {"t": t})(x)["f"].shape  # outputs at each draw
+        torch.Size([20, 30, 1])
     """
 
     def __init__(
