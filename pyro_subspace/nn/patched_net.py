@@ -91,14 +91,11 @@ class PatchedNet(PyroModule):
     the names ``loc_<param>``: call ``pyro.clear_param_store()`` before building a second model.
 
     Example:
-        >>> pyro.clear_param_store()
         >>> x, y = torch.randn(100, 64), torch.randint(0, 10, (100,))
         >>> net = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
         >>> model = PatchedNet(net, likelihoods.Categorical(), mode="ecmp", prior_precision=1.0)
         >>> svi = SVI(model, model.guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
-        >>> _ = model.train()
-        >>> loss = svi.step(x[:20], y[:20], num_data=100)  # a minibatch of 20 of 100 points
-        >>> per_point = (loss - model.elbo_constant) / 100  # without the constant C (eq. 7)
+        >>> loss = svi.step(x[:20], y[:20], num_data=100) - model.elbo_constant  # C dominates
         >>> model.predictive_mean(x[:5], num_samples=8).shape  # class probabilities
         torch.Size([5, 10])
     """
@@ -366,7 +363,7 @@ class PatchedNet(PyroModule):
         Returns:
             Mean loss per data point of each epoch: for ``"torch"`` the expected NLL part of
             `negative_elbo` over ``N`` (the penalty is applied as weight decay); for ``"svi"`` the
-            whole ELBO loss over ``N``, which includes the constant ``C``.
+            ELBO loss minus the constant `elbo_constant` (which would dominate it) over ``N``.
         """
         n = _check_inputs(x)
         _check_call(x, y, None, None)
@@ -384,7 +381,7 @@ class PatchedNet(PyroModule):
             svi = SVI(self, self.guide, pyro.optim.Adam({"lr": lr}), Trace_ELBO())
 
             def step(idx: torch.Tensor) -> float:
-                return svi.step(x[idx], y[idx], num_data=n) / n
+                return (svi.step(x[idx], y[idx], num_data=n) - self.elbo_constant) / n
 
             optimizer = None
         else:
@@ -425,6 +422,9 @@ class PatchedNet(PyroModule):
         subsample_size: int | None = None,
         num_data: int | None = None,
     ) -> torch.Tensor:
+        """Model: ``"obs"`` ``(N,)`` given ``x`` ``(N, ...)`` (returned; sampled if ``y`` is None),
+        ``x`` a minibatch of ``num_data`` points if given. With `guide`, ``Trace_ELBO`` is eq. (7)
+        plus `elbo_constant`, which dominates it: subtract it. Sites: see the class."""
         n, size, total = _check_call(x, y, subsample_size or self.subsample_size, num_data)
         like = self._like()
         z = {}
