@@ -17,6 +17,7 @@ import torch
 from pyro.infer import HMC, MCMC, NUTS, SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from torch import nn
+from tqdm.auto import tqdm
 
 from .. import datasets, likelihoods, metrics, subspaces
 from ..infer import AutoSubspaceLaplace, EllipticalSliceSampler, linearized_predictive
@@ -121,8 +122,11 @@ def posterior_draws(model: SubspaceNet, args: argparse.Namespace, x, y) -> torch
         pyro.optim.ClippedAdam({"lr": 0.02, "lrd": 0.1 ** (1 / steps)}),
         Trace_ELBO(num_particles=8, vectorize_particles=True, max_plate_nesting=1),
     )
-    for _ in range(steps):
-        svi.step(x, y)
+    bar = tqdm(range(steps), desc="SVI", disable=args.no_progress, leave=False, mininterval=0.5)
+    for step in bar:
+        loss = svi.step(x, y)
+        if step % 50 == 0:
+            bar.set_postfix(elbo_loss=f"{loss:.1f}")
     draws = Predictive(model, guide=guide, num_samples=args.samples, return_sites=["t"])(x, y)["t"]
     return draws.reshape(-1, model.rank)
 
@@ -232,6 +236,7 @@ def run(args: argparse.Namespace) -> dict:
         title = f"{args.subspace.upper()} subspace (K={model.rank}) + {args.inference.upper()}"
         path = out / f"{data.name}_{args.subspace}_{args.inference}.png"
         map_mean = f_map if data.grid is not None else None
-        return report.plot_predictive(path, data, mean, var.sqrt(), title, map_mean)
+        epistemic = f.std(0, unbiased=False)  # spread of the function over the draws
+        return report.plot_predictive(path, data, mean, var.sqrt(), title, map_mean, epistemic)
 
     return report.publish(results, args.out, report.regression_table, plot)

@@ -164,7 +164,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=0, help="seeds data split, init and inference")
     g.add_argument("--out", type=Path, default=Path("out"), help="directory for the PNG and JSON")
-    g.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    g.add_argument(
+        "--no-progress", "--quiet", action="store_true", help="hide progress bars and messages"
+    )
 
 
 def given_options(argv: Iterable[str]) -> set[str]:
