@@ -23,7 +23,7 @@ from .. import datasets, likelihoods, metrics, subspaces
 from ..infer import AutoSubspaceLaplace, EllipticalSliceSampler, linearized_predictive
 from ..nn import SubspaceNet
 from ..train import fit_map
-from . import options, report
+from . import defaults, options, report
 
 SUBSPACES = ("pca", "random", "subnetwork", "ggn")
 INFERENCE = ("ess", "nuts", "hmc", "vi", "laplace")
@@ -166,7 +166,11 @@ def _laplace(model: SubspaceNet, args: argparse.Namespace, data: datasets.Datase
 
 def _train(args: argparse.Namespace, data: datasets.Dataset):
     """MAP (full-batch Adam), then SWA collecting the trajectory; returns net, lik, collector."""
-    net = options.mlp(data.n_features, options.hidden_widths(args), 1)
+    def make_net():
+        return options.mlp(data.n_features, options.hidden_widths(args), 1)
+
+    args.epochs = defaults.resolve_epochs(args, data, make_net)
+    net = make_net()
     lik = likelihoods.Gaussian()  # noise scale learned with the MAP (type-II ML), then fixed
     collector = subspaces.SWACollector(net, max_snapshots=args.max_snapshots)
     common = dict(weight_decay=args.weight_decay, seed=args.seed, progress=not args.no_progress)
@@ -215,6 +219,10 @@ def run(args: argparse.Namespace) -> dict:
     }
     if glm is not None:
         rows["LAPLACE (GLM)"] = metrics.regression_scores(glm[0], glm[1], data.y_test)
+    with torch.no_grad():
+        train_out = model.outputs(torch.zeros(1, sub.rank), data.x_train)[..., 0]
+    train_nll = metrics.regression_scores(train_out, sigma2.expand_as(train_out), data.y_train)
+    warnings = defaults.overfit_warnings(train_nll["nll"], rows)
     results = {
         "dataset": data.name,
         "subspace": args.subspace,
@@ -224,7 +232,9 @@ def run(args: argparse.Namespace) -> dict:
         "sigma": float(lik.sigma.detach()),
         "train_seconds": t_train,
         "inference_seconds": t_infer,
+        "epochs": args.epochs,
         "rows": rows,
+        "warnings": warnings,
     }
 
     def plot(out):
