@@ -66,9 +66,10 @@ def to_inference_data(
         ``arviz.InferenceData`` (arviz 0.x) or ``xarray.DataTree`` (arviz 1.x) with groups
         posterior ``(chain, draw, ...)``, log_likelihood ``(chain, draw, N)`` per observed site
         (as chosen by ``log_likelihood``; attribute ``"log_likelihood"`` says which, e.g.
-        ``"tempered: log p(y_n | theta) / T, T = 2"``), posterior_predictive (draws of the observed sites at
-        the same inputs), observed_data, and sample_stats (``lp``: the model's log joint as the
-        sampler saw it, i.e. tempered and plate-scaled; ``diverging`` from MCMC diagnostics).
+        ``"tempered: log p(y_n | theta) / T, T = 2"``), posterior_predictive (draws of the
+        observed sites at the same inputs), observed_data, and sample_stats (``lp``: the model's
+        log joint as the sampler saw it, i.e. tempered and plate-scaled; ``diverging`` from MCMC
+        diagnostics).
     """
     kwargs = dict(kwargs or {})
     if log_likelihood not in ("tempered", "untempered"):
@@ -151,8 +152,10 @@ def to_inference_data(
     }
     if mcmc is not None:
         groups["sample_stats"]["diverging"] = _divergences(mcmc, n_chains, n_draws)
-    temps = ", ".join(f"T = {1 / v:.6g}" if len(scales) == 1 else f"{k}: T = {1 / v:.6g}"
-                      for k, v in scales.items())
+    temps = ", ".join(
+        f"T = {1 / v:.6g}" if len(scales) == 1 else f"{k}: T = {1 / v:.6g}"
+        for k, v in scales.items()
+    )
     if log_likelihood == "untempered" and any(v != 1.0 for v in scales.values()):
         warnings.warn(
             f"log_likelihood: exporting untempered log p(y_n | theta) while the draws follow "

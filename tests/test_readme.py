@@ -44,7 +44,7 @@ def _commands() -> list[list[str]]:
         argv = shlex.split(code)
         if argv and argv[0] == "pyro-subspace" and argv[1:2] not in (["tutorial"], ["grid"]):
             argvs.append(argv[1:])
-            if argv[1:2] == ["mixture"] and comment.strip().startswith("also"):  # the other mixtures
+            if argv[1:2] == ["mixture"] and comment.strip().startswith("also"):  # other mixtures
                 i = argv.index("--inference") + 1
                 for other in comment.strip()[len("also") :].split(","):
                     variant = [*argv[1:i], other.strip(), *argv[i + 1 :]]

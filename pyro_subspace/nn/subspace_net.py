@@ -6,7 +6,7 @@ Subspace Inference (Izmailov et al., 2019), eqs. (1)–(3):
     t ~ N(t₀, (λ PᵀP)⁻¹), t₀ = −(PᵀP)⁻¹Pᵀŵ              (prior_mean="zero": w ~ N(0, λ⁻¹ I_D)
                                                          restricted to the subspace, λ = 1/σ²)
     w = ŵ + P t                                         (Subspace.weights)
-    f_n = net(x_n; w)                                   site "f" (deterministic; only when y is None)
+    f_n = net(x_n; w)                                   site "f" (deterministic; when y is None)
     y_n ~ p(y | f_n),  log-likelihood scaled by 1/T     site "obs" in plate "data"
 
 so that the posterior over ``t`` is the tempered posterior ``p(D|t)^{1/T} p(t)`` of eq. (3).
