@@ -89,7 +89,7 @@ def my_csv(tmp_path_factory):
 
 
 def test_the_readme_lists_the_commands():
-    kinds = {a[0] if not a[0].startswith("-") else "fit" for a in _commands()}
+    kinds = {a[0] if a and not a[0].startswith("-") else "fit" for a in _commands()}
     assert kinds == {"fit", "mixture", "patch"}
 
 
