@@ -59,7 +59,7 @@ def scores(lik: likelihoods.Gaussian, outputs: torch.Tensor, y: torch.Tensor, y_
     }
 
 
-WEIGHT_DECAYS = (1e-4, 1e-3, 1e-2, 3e-2)
+WEIGHT_DECAYS = (1e-3, 1e-2, 3e-2, 1e-1, 3e-1)
 
 
 def choose_weight_decay(data: datasets.Dataset, args: argparse.Namespace, seed: int) -> float:
