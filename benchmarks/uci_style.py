@@ -10,6 +10,11 @@ network (outputs a mean and a softplus scale). Methods on each split, from the s
 - SWAG: low-rank plus diagonal Gaussian from the same trajectory (Maddox et al., 2019), at the
   paper's covariance ``½ (Σ_diag + D̂D̂ᵀ/(K − 1))`` (`infer.SWAG`, ``scale=1``).
 
+Weight decay (the prior) is chosen per split from a grid by the validation NLL of the MAP on a
+held-out 20% of the training set (``--weight-decay auto``, the default), then the net is trained
+on the whole training set; ``--weight-decay 1e-4`` is the former fixed setting, which over-fits
+the heteroscedastic noise (95% coverage ~0.84).
+
 Printed as mean ± std over splits, as the paper's Tables 2–4: test log-likelihood per point in
 the original units of y (the moment-matched Gaussian of G.1, "unnormalised" like the paper),
 RMSE (original units) and the coverage of the central 95% interval.
@@ -54,7 +59,28 @@ def scores(lik: likelihoods.Gaussian, outputs: torch.Tensor, y: torch.Tensor, y_
     }
 
 
+WEIGHT_DECAYS = (1e-3, 1e-2, 3e-2, 1e-1, 3e-1)
+
+
+def choose_weight_decay(data: datasets.Dataset, args: argparse.Namespace, seed: int) -> float:
+    """The grid value whose MAP has the lowest NLL on a random 20% of the training set."""
+    x, y = data.x_train, data.y_train
+    perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))
+    val, fit = perm[: x.shape[0] // 5], perm[x.shape[0] // 5 :]
+    nll = {}
+    for wd in WEIGHT_DECAYS:
+        torch.manual_seed(seed)
+        net = nn.Sequential(nn.Linear(data.n_features, 50), nn.ReLU(), nn.Linear(50, 2))
+        lik = likelihoods.Gaussian(heteroscedastic=True)
+        fit_map(net, lik, x[fit], y[fit], epochs=args.epochs, lr=1e-3, weight_decay=wd,
+                batch_size=64, seed=seed, progress=False)  # fmt: skip
+        with torch.no_grad(), eval_mode(net):
+            nll[wd] = float(-lik.log_prob(net(x[val]), y[val]).mean())
+    return min(nll, key=nll.get)
+
+
 def one_split(data: datasets.Dataset, args: argparse.Namespace, seed: int) -> dict:
+    wd = choose_weight_decay(data, args, seed) if args.weight_decay == "auto" else args.weight_decay
     torch.manual_seed(seed)
     pyro.set_rng_seed(seed)
     pyro.clear_param_store()
@@ -62,15 +88,15 @@ def one_split(data: datasets.Dataset, args: argparse.Namespace, seed: int) -> di
     lik = likelihoods.Gaussian(heteroscedastic=True)
     col = subspaces.SWACollector(net, max_snapshots=20)
     x, y, xt, yt = data.x_train, data.y_train, data.x_test, data.y_test
-    fit_map(net, lik, x, y, epochs=args.epochs, lr=1e-3, weight_decay=1e-4, batch_size=64,
+    fit_map(net, lik, x, y, epochs=args.epochs, lr=1e-3, weight_decay=wd, batch_size=64,
             seed=seed, progress=False)  # fmt: skip
     flat = FlatNet(net)
     with torch.no_grad(), eval_mode(net):
         out_sgd = flat(flat.vector(), xt)[None]
     fit_map(net, lik, x, y, epochs=0, collector=col, swa_epochs=args.swa_epochs, swa_lr=1e-3,
-            batch_size=64, weight_decay=1e-4, seed=seed, progress=False)  # fmt: skip
+            batch_size=64, weight_decay=wd, seed=seed, progress=False)  # fmt: skip
     model = SubspaceNet(net, subspaces.pca(col, rank=5, seed=seed), lik, temperature="auto")
-    rows, times = {"SGD": scores(lik, out_sgd, yt, data.y_std)}, {}
+    rows, times = {"SGD": scores(lik, out_sgd, yt, data.y_std)}, {"weight decay": wd}
 
     start = time.perf_counter()
     mcmc = MCMC(EllipticalSliceSampler(model), num_samples=args.draws, warmup_steps=100,
@@ -109,6 +135,10 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=300)
     parser.add_argument("--vi-steps", type=int, default=1000)
     parser.add_argument("--quick", action="store_true", help="2 splits, short runs")
+    parser.add_argument(
+        "--weight-decay", type=lambda s: s if s == "auto" else float(s), default="auto",
+        help="'auto': chosen per split on a validation split from " + str(WEIGHT_DECAYS),
+    )  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.splits, args.epochs, args.swa_epochs, args.draws, args.vi_steps = 2, 50, 20, 40, 100
@@ -127,9 +157,11 @@ def main() -> None:
                 results.setdefault(method, {}).setdefault(key, []).append(value)
         for method, value in times.items():
             seconds.setdefault(method, []).append(value)
+    chosen = seconds.pop("weight decay")
     name = args.csv or "diabetes"
     print(f"{name}: N={data.n_train + data.x_test.shape[0]}, d={data.n_features}, "
-          f"{args.splits} random 90/10 splits, mean ± std")  # fmt: skip
+          f"{args.splits} random 90/10 splits, mean ± std; weight decay {args.weight_decay}: "
+          f"{chosen}")  # fmt: skip
     keys = ["test LL", "RMSE", "95% cover"]
     print(f"{'method':<9}" + "".join(f"{k:>18}" for k in keys) + f"{'inference s':>13}")
     for method, vals in results.items():

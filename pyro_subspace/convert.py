@@ -7,12 +7,24 @@ model is re-run once per chunk of draws, vectorised over draws by an outer ``pyr
 Pyro's ``Predictive(parallel=True)`` does. ArviZ's ``from_dict`` does the conversion; it exists
 in arviz 0.x (keyword groups, returns ``InferenceData``) and 1.x (one dict of groups, returns a
 ``xarray.DataTree``).
+
+Which log-likelihood: a tempered posterior ``p(t | D) ∝ p(t) Π_n p(y_n | t)^{1/T}`` (eq. 3 of
+Subspace Inference) is the posterior of a model whose pointwise log-likelihood is
+``log p(y_n | t)/T``; PSIS-LOO reweights the posterior by the inverse of that term, so
+``to_inference_data`` exports it by default (``log_likelihood="tempered"``: each observed site's
+``log_prob`` times its Pyro scale, i.e. ``1/T``; no minibatch scale, as the model runs on all the
+data). ``log_likelihood="untempered"`` exports ``log p(y_n | t)``, the density of a new point;
+with ``T != 1`` it does not match the draws, and a warning says so. The choice is stored in the
+``log_likelihood`` group's attribute ``"log_likelihood"``. ``az.from_pyro(mcmc)`` (arviz 0.x)
+works on a `SubspaceNet` too but always exports the untempered term.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import warnings
 
 import arviz as az
 import numpy as np
@@ -35,6 +47,7 @@ def to_inference_data(
     group_by_chain: bool = False,
     draws_per_chunk: int = 200,
     seed: int | None = None,
+    log_likelihood: str = "tempered",
 ) -> Any:
     """Convert MCMC output or posterior samples to ArviZ data.
 
@@ -47,15 +60,24 @@ def to_inference_data(
             ``(x_train, y_train)``); required with ``samples``.
         draws_per_chunk: draws evaluated per vectorised model run (bounds memory).
         seed: seeds the posterior predictive draws.
+        log_likelihood: ``"tempered"`` (default): ``log p(y_n | θ)/T``, the term whose product
+            with the prior the draws follow, which ``az.loo``/``az.waic`` need; or
+            ``"untempered"``: ``log p(y_n | θ)`` (warns when a site is tempered).
 
     Returns:
         ``arviz.InferenceData`` (arviz 0.x) or ``xarray.DataTree`` (arviz 1.x) with groups
         posterior ``(chain, draw, ...)``, log_likelihood ``(chain, draw, N)`` per observed site
-        (untempered ``log p(y_n | θ)``), posterior_predictive (draws of the observed sites at
-        the same inputs), observed_data, and sample_stats (``lp``: the model's log joint as the
-        sampler saw it, i.e. tempered and plate-scaled; ``diverging`` from MCMC diagnostics).
+        (as chosen by ``log_likelihood``; attribute ``"log_likelihood"`` says which, e.g.
+        ``"tempered: log p(y_n | theta) / T, T = 2"``), posterior_predictive (draws of the
+        observed sites at the same inputs), observed_data, and sample_stats (``lp``: the model's
+        log joint as the sampler saw it, i.e. tempered and plate-scaled; ``diverging`` from MCMC
+        diagnostics).
     """
     kwargs = dict(kwargs or {})
+    if log_likelihood not in ("tempered", "untempered"):
+        raise ValueError(
+            f"log_likelihood: expected 'tempered' or 'untempered', got {log_likelihood!r}"
+        )
     if mcmc is not None:
         if samples is not None:
             raise ValueError("samples: give either mcmc or samples, not both")
@@ -97,6 +119,7 @@ def to_inference_data(
         + [0]
     )
     pieces: dict[str, list[torch.Tensor]] = {"lp": []}
+    scales: dict[str, float] = {}
     for start in range(0, n_chains * n_draws, draws_per_chunk):
         chunk = {k: v[start : start + draws_per_chunk] for k, v in flat.items()}
         trace = _vectorised_trace(model, chunk, prototype, nesting, args, kwargs)
@@ -109,9 +132,10 @@ def to_inference_data(
             lp = lp + (site_lp * site["scale"]).reshape(s, -1).sum(-1).detach().cpu()
             if name in observed:
                 shape = prototype.nodes[name]["fn"].batch_shape
-                pieces.setdefault(f"ll:{name}", []).append(
-                    site_lp.reshape(s, *shape).detach().cpu()
-                )
+                scale = float(site["scale"])
+                scales[name] = scale
+                ll = site_lp * scale if log_likelihood == "tempered" else site_lp
+                pieces.setdefault(f"ll:{name}", []).append(ll.reshape(s, *shape).detach().cpu())
                 draw = site["fn"].sample().reshape(s, *prototype.nodes[name]["value"].shape)
                 pieces.setdefault(f"pp:{name}", []).append(draw.detach().cpu())
         pieces["lp"].append(lp)
@@ -132,7 +156,26 @@ def to_inference_data(
     }
     if mcmc is not None:
         groups["sample_stats"]["diverging"] = _divergences(mcmc, n_chains, n_draws)
-    return _from_dict(groups)
+    temps = ", ".join(
+        f"T = {1 / v:.6g}" if len(scales) == 1 else f"{k}: T = {1 / v:.6g}"
+        for k, v in scales.items()
+    )
+    if log_likelihood == "untempered" and any(v != 1.0 for v in scales.values()):
+        warnings.warn(
+            f"log_likelihood: exporting untempered log p(y_n | theta) while the draws follow "
+            f"the tempered posterior ({temps}); az.loo's importance weights will not match them. "
+            "Use log_likelihood='tempered' for LOO/WAIC.",
+            stacklevel=2,
+        )
+    what = (
+        "tempered: log p(y_n | theta) / T"
+        if log_likelihood == "tempered"
+        else "untempered: log p(y_n | theta)"
+    )
+    idata = _from_dict(groups)
+    if observed:
+        idata["log_likelihood"].attrs["log_likelihood"] = f"{what}, {temps}"
+    return idata
 
 
 def _check_samples(

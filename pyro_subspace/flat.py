@@ -344,9 +344,12 @@ def preserved(
         A `Preserved` handle (``keep_changes()``: keep the weights and buffers as they are).
 
     Example:
+        >>> net = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)).eval()
         >>> with preserved(net, buffers=True):
-        ...     net.train()
-        ...     net(x)  # updates the BatchNorm statistics, which are then restored
+        ...     _ = net.train()
+        ...     _ = net(torch.randn(8, 2))  # updates the BatchNorm statistics ...
+        >>> net.training, net[1].running_mean  # ... which are restored, as is the mode
+        (False, tensor([0., 0., 0.]))
     """
     state = Preserved(
         modules,

@@ -430,9 +430,11 @@ def regression_scores(means: Tensor, variances: Tensor, y: Tensor, level: float 
         level: central interval level for the coverage.
 
     Returns:
-        ``{"nll": mixture (Bayesian model average) NLL, "nll_moment_matched": the paper's G.1
-        version, "rmse": of the moment-matched mean, "coverage95": fraction of y inside the
-        moment-matched Gaussian's central interval}`` (the key says 95 whatever ``level``).
+        A dict with keys ``nll`` (the mixture, i.e. Bayesian model average, NLL),
+        ``nll_moment_matched`` (the paper's G.1 version: the NLL of one Gaussian with the
+        mixture's mean and variance), ``rmse`` (of the moment-matched mean) and ``coverage95``
+        (fraction of ``y`` inside the moment-matched Gaussian's central interval; the key says
+        95 whatever ``level``).
     """
     mu, var = moment_match(means, variances)
     lower, upper = gaussian_interval(mu, var.sqrt(), level)

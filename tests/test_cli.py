@@ -106,7 +106,7 @@ def test_help_lists_the_commands_and_every_default(capsys):
     text = " ".join(capsys.readouterr().out.split())
     text = text[text.index("options:") :]  # past the usage line
     for option, default in [
-        ("--epochs", "2000"),
+        ("--epochs", "auto"),
         ("--weight-decay", "0.0001"),
         ("--swa-lr", "0.0003"),
         ("--swa-batch-size", "50"),

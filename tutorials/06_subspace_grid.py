@@ -33,6 +33,7 @@ import torch
 from pyro.infer import MCMC, NUTS, SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoIAFNormal, AutoNormal
 from torch import nn
+from tqdm.auto import tqdm
 
 from pyro_subspace import (
     EllipticalSliceSampler,
@@ -69,7 +70,7 @@ for seed in (0, 1):
     torch.manual_seed(seed)
     net = make_net()
     fit_map(net, likelihood, data.x_train, data.y_train, epochs=EPOCHS, lr=1e-3,
-            weight_decay=1e-4, seed=seed, progress=False)  # fmt: skip
+            weight_decay=1e-4, seed=seed, progress=not TINY)  # fmt: skip
     solutions.append(net)
 net, other = solutions
 collector = subspaces.SWACollector(net, max_snapshots=20)
@@ -77,10 +78,10 @@ w0 = nn.utils.parameters_to_vector(net.parameters()).detach().clone()
 w1 = nn.utils.parameters_to_vector(other.parameters()).detach().clone()
 fit_map(net, likelihood, data.x_train, data.y_train, epochs=0, collector=collector,
         swa_epochs=SWA_EPOCHS, swa_lr=1e-4, batch_size=50, weight_decay=1e-4, seed=0,
-        progress=False)  # fmt: skip
+        progress=not TINY)  # fmt: skip
 theta = subspaces.fit_curve(net, likelihood, data.x_train, data.y_train, w0, w1,
                             epochs=CURVE_EPOCHS, lr=1e-3, batch_size=50, seed=0,
-                            progress=False)  # fmt: skip
+                            progress=not TINY)  # fmt: skip
 s, on_curve, on_line = subspaces.curve_losses(net, likelihood, data.x_train, data.y_train,
                                               w0, theta, w1, num_points=11)  # fmt: skip
 print(f"training loss at the middle: curve {on_curve[5]:.3f}, straight line {on_line[5]:.3f}")
@@ -104,7 +105,7 @@ def vi(model: SubspaceNet, guide_cls) -> torch.Tensor:
     optim = pyro.optim.ClippedAdam({"lr": 0.01, "lrd": 0.1 ** (1 / VI_STEPS)})
     elbo = Trace_ELBO(num_particles=8, vectorize_particles=True, max_plate_nesting=1)
     svi = SVI(model, guide, optim, elbo)
-    for _ in range(VI_STEPS):
+    for _ in tqdm(range(VI_STEPS), desc="  SVI", disable=TINY, leave=False, mininterval=0.5):
         svi.step(data.x_train, data.y_train)
     t = Predictive(model, guide=guide, num_samples=DRAWS, return_sites=["t"])(
         data.x_train, data.y_train
@@ -113,7 +114,7 @@ def vi(model: SubspaceNet, guide_cls) -> torch.Tensor:
 
 
 def mcmc(model: SubspaceNet, kernel) -> torch.Tensor:
-    runner = MCMC(kernel, num_samples=DRAWS, warmup_steps=WARMUP, disable_progbar=True)
+    runner = MCMC(kernel, num_samples=DRAWS, warmup_steps=WARMUP, disable_progbar=TINY)
     runner.run(data.x_train, data.y_train)
     return runner.get_samples()["t"]
 
@@ -138,7 +139,8 @@ for row, (space_name, space) in enumerate(spaces.items()):
             f_test = model.outputs(t, data.x_test)[..., 0]
         noise = torch.full_like(f_test, 0.01)
         score = metrics.regression_scores(f_test, noise, data.y_test)
-        print(f"{space_name:<15}{method_name:<11}{score['nll']:>9.3f}{score['coverage95']:>9.3f}")
+        row_text = f"{space_name:<15}{method_name:<11}{score['nll']:>9.3f}"
+        print(f"{row_text}{score['coverage95']:>9.3f}", flush=True)
         mu, var = metrics.moment_match(f_grid, torch.full_like(f_grid, 0.01))
         lo, hi = metrics.gaussian_interval(mu, var.sqrt())
         ax = axes[row, col]

@@ -17,12 +17,13 @@ import torch
 from pyro.infer import HMC, MCMC, NUTS, SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from torch import nn
+from tqdm.auto import tqdm
 
 from .. import datasets, likelihoods, metrics, subspaces
 from ..infer import AutoSubspaceLaplace, EllipticalSliceSampler, linearized_predictive
 from ..nn import SubspaceNet
 from ..train import fit_map
-from . import options, report
+from . import defaults, options, report
 
 SUBSPACES = ("pca", "random", "subnetwork", "ggn")
 INFERENCE = ("ess", "nuts", "hmc", "vi", "laplace")
@@ -121,8 +122,11 @@ def posterior_draws(model: SubspaceNet, args: argparse.Namespace, x, y) -> torch
         pyro.optim.ClippedAdam({"lr": 0.02, "lrd": 0.1 ** (1 / steps)}),
         Trace_ELBO(num_particles=8, vectorize_particles=True, max_plate_nesting=1),
     )
-    for _ in range(steps):
-        svi.step(x, y)
+    bar = tqdm(range(steps), desc="SVI", disable=args.no_progress, leave=False, mininterval=0.5)
+    for step in bar:
+        loss = svi.step(x, y)
+        if step % 50 == 0:
+            bar.set_postfix(elbo_loss=f"{loss:.1f}")
     draws = Predictive(model, guide=guide, num_samples=args.samples, return_sites=["t"])(x, y)["t"]
     return draws.reshape(-1, model.rank)
 
@@ -162,7 +166,11 @@ def _laplace(model: SubspaceNet, args: argparse.Namespace, data: datasets.Datase
 
 def _train(args: argparse.Namespace, data: datasets.Dataset):
     """MAP (full-batch Adam), then SWA collecting the trajectory; returns net, lik, collector."""
-    net = options.mlp(data.n_features, options.hidden_widths(args), 1)
+    def make_net():
+        return options.mlp(data.n_features, options.hidden_widths(args), 1)
+
+    args.epochs = defaults.resolve_epochs(args, data, make_net)
+    net = make_net()
     lik = likelihoods.Gaussian()  # noise scale learned with the MAP (type-II ML), then fixed
     collector = subspaces.SWACollector(net, max_snapshots=args.max_snapshots)
     common = dict(weight_decay=args.weight_decay, seed=args.seed, progress=not args.no_progress)
@@ -211,6 +219,10 @@ def run(args: argparse.Namespace) -> dict:
     }
     if glm is not None:
         rows["LAPLACE (GLM)"] = metrics.regression_scores(glm[0], glm[1], data.y_test)
+    with torch.no_grad():
+        train_out = model.outputs(torch.zeros(1, sub.rank), data.x_train)[..., 0]
+    train_nll = metrics.regression_scores(train_out, sigma2.expand_as(train_out), data.y_train)
+    warnings = defaults.overfit_warnings(train_nll["nll"], rows)
     results = {
         "dataset": data.name,
         "subspace": args.subspace,
@@ -220,7 +232,9 @@ def run(args: argparse.Namespace) -> dict:
         "sigma": float(lik.sigma.detach()),
         "train_seconds": t_train,
         "inference_seconds": t_infer,
+        "epochs": args.epochs,
         "rows": rows,
+        "warnings": warnings,
     }
 
     def plot(out):
@@ -232,6 +246,7 @@ def run(args: argparse.Namespace) -> dict:
         title = f"{args.subspace.upper()} subspace (K={model.rank}) + {args.inference.upper()}"
         path = out / f"{data.name}_{args.subspace}_{args.inference}.png"
         map_mean = f_map if data.grid is not None else None
-        return report.plot_predictive(path, data, mean, var.sqrt(), title, map_mean)
+        epistemic = f.std(0, unbiased=False)  # spread of the function over the draws
+        return report.plot_predictive(path, data, mean, var.sqrt(), title, map_mean, epistemic)
 
     return report.publish(results, args.out, report.regression_table, plot)

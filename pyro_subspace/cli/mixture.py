@@ -22,7 +22,7 @@ import torch
 
 from .. import likelihoods, metrics
 from ..infer import SWAG, DeepEnsemble, MixtureOfLaplace, MixturePredictor, train_ensemble
-from . import options, report
+from . import defaults, options, report
 
 INFERENCE = ("mola", "deep_ensemble", "swag")
 
@@ -76,6 +76,12 @@ def _scores(predictor: MixturePredictor, x: torch.Tensor, y: torch.Tensor) -> di
     return metrics.regression_scores(means[..., 0], variances[..., 0], y.double())
 
 
+def _train_nll(ens, data) -> float:
+    """Training NLL of the first member (the MAP row of the table)."""
+    _, (means, variances) = DeepEnsemble(ens.nets[:1], ens.likelihoods[0]).components(data.x_train)
+    return metrics.regression_scores(means[..., 0], variances[..., 0], data.y_train.double())["nll"]
+
+
 def _predictor(args: argparse.Namespace, ens, data) -> tuple[MixturePredictor, str]:
     if args.inference == "swag":
         swag = SWAG(ens.collectors[0], ens.likelihoods[0], num_samples=args.samples, seed=args.seed)
@@ -99,8 +105,13 @@ def run(args: argparse.Namespace) -> dict:
     swag = args.inference == "swag"
     swa = dict(swa_epochs=args.swa_epochs, swa_lr=args.swa_lr, max_snapshots=args.max_snapshots)
     t0 = time.perf_counter()
+
+    def make_net():
+        return options.mlp(data.n_features, options.hidden_widths(args), 1)
+
+    args.epochs = defaults.resolve_epochs(args, data, make_net)
     ens = train_ensemble(
-        lambda: options.mlp(data.n_features, options.hidden_widths(args), 1),
+        make_net,
         likelihoods.Gaussian(),  # noise scale learned per member (type-II ML), then fixed
         data.x_train,
         data.y_train,
@@ -132,7 +143,9 @@ def run(args: argparse.Namespace) -> dict:
         "sigma": float(ens.likelihoods[0].sigma.detach()),
         "train_seconds": t_train,
         "inference_seconds": t_infer,
+        "epochs": args.epochs,
         "rows": rows,
+        "warnings": defaults.overfit_warnings(_train_nll(ens, data), rows),
     }
 
     def plot(out):

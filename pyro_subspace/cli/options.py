@@ -140,11 +140,18 @@ def _add_data_options(p: argparse.ArgumentParser, choices: tuple[str, ...], defa
 
 
 def add_network_options(
-    p: argparse.ArgumentParser, *, hidden: str, hidden_help: str, epochs: int, lr: float
+    p: argparse.ArgumentParser,
+    *,
+    hidden: str,
+    hidden_help: str,
+    epochs: int | str,
+    lr: float,
+    epochs_help: str = "training epochs (Adam)",
 ) -> argparse._ArgumentGroup:
     g = p.add_argument_group("network and training")
     g.add_argument("--hidden", type=widths, default=hidden, help=hidden_help)
-    g.add_argument("--epochs", type=int_at_least(0), default=epochs, help="training epochs (Adam)")
+    kind = int_at_least(0) if epochs != "auto" else number_or("auto", int_at_least(0), "an int")
+    g.add_argument("--epochs", type=kind, default=epochs, help=epochs_help)
     g.add_argument("--lr", type=positive_float, default=lr, help="Adam learning rate")
     return g
 
@@ -158,8 +165,10 @@ def add_regression_training(
         hidden="auto",
         hidden_help="hidden widths; 'auto': 200,50,50,50 on toy (Subspace Inference 3.1), "
         "else 50 (G.1.2)",
-        epochs=2000,
+        epochs="auto",
         lr=1e-3,
+        epochs_help="MAP epochs (full-batch Adam); 'auto': 2000 on toy and in_between (the "
+        "papers'), else early stopping on a 20%% validation split of the training data",
     )
     g.add_argument("--weight-decay", type=nonneg_float, default=1e-4, help=weight_decay_help)
     return g
@@ -188,7 +197,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         "--seed", type=int_at_least(0), default=0, help="seeds data split, init and inference"
     )
     g.add_argument("--out", type=Path, default=Path("out"), help="directory for the PNG and JSON")
-    g.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    g.add_argument(
+        "--no-progress", "--quiet", action="store_true", help="hide progress bars and messages"
+    )
 
 
 def given_options(argv: Iterable[str]) -> set[str]:

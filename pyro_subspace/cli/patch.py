@@ -117,7 +117,11 @@ def run(args: argparse.Namespace) -> dict:
     data = options.load_data(args, "classification")
     rows, probs = {}, {}
     for name in ("vanilla", args.inference):
+        if not args.no_progress:
+            print(f"training {name} ({args.epochs} epochs) ...", end=" ", flush=True)
         model, seconds, overhead = _train(name, args, data)
+        if not args.no_progress:
+            print(f"done in {seconds:.1f} CPU s", flush=True)
         torch.manual_seed(args.seed)
         probs[name] = _probs(model, data.x_test, args.samples)
         rows[name] = {

@@ -20,6 +20,9 @@ def publish(
     (out / "results.json").write_text(json.dumps(results, indent=2))
     results["plot"] = str(plot(out))
     print(table(results))
+    for warning in results.get("warnings", []):
+        print(f"warning: {warning}")
+    print(f"wrote {out / 'results.json'} (this table and the settings) and {results['plot']}")
     return results
 
 
@@ -37,6 +40,12 @@ def regression_table(results: dict) -> str:
             f"{name:<20}{r['nll']:>10.3f}{r['nll_moment_matched']:>10.3f}"
             f"{r['rmse']:>8.3f}{r['coverage95']:>9.3f}"
         )
+    lines.append(
+        "test NLL: mean negative log predictive density of the test points under the posterior\n"
+        "mixture (lower is better); NLL (MM): the same under one Gaussian with the mixture's mean\n"
+        "and variance (moment-matched, Subspace Inference G.1); cover95: fraction of test points\n"
+        "inside the central 95% predictive interval (nominal 0.95)."
+    )
     return "\n".join(lines)
 
 
@@ -81,14 +90,24 @@ def plot_predictive(
     std: torch.Tensor,
     title: str,
     map_mean: torch.Tensor | None = None,
+    epistemic_std: torch.Tensor | None = None,
 ) -> Path:
     """A regression predictive: the mean and 95% band over ``data.grid`` for 1-D problems
     (``mean``, ``std`` of shape ``(G,)``), else predicted against true test targets (``(M,)``).
-    ``map_mean (G,)``, if given, is drawn as a dashed line."""
+    ``map_mean (G,)``, if given, is drawn as a dashed line; ``epistemic_std (G,)`` (the spread
+    of the network's output over the posterior, without the noise) as a darker inner band, so
+    that the uncertainty growing away from the data shows apart from the constant noise."""
     plt, fig, ax = _figure((8, 4.5))
     lo, hi = metrics.gaussian_interval(mean, std, 0.95)
     if data.grid is not None:
-        ax.fill_between(data.grid_x, lo, hi, alpha=0.3, label="95% predictive band")
+        ax.fill_between(
+            data.grid_x, lo, hi, alpha=0.25, color="C0", label="95% predictive (epistemic + noise)"
+        )
+        if epistemic_std is not None:
+            elo, ehi = metrics.gaussian_interval(mean, epistemic_std, 0.95)
+            ax.fill_between(
+                data.grid_x, elo, ehi, alpha=0.5, color="C1", label="95% epistemic (function)"
+            )
         ax.plot(data.grid_x, mean, label="predictive mean")
         if map_mean is not None:
             ax.plot(data.grid_x, map_mean, "--", color="k", lw=1, label="MAP (SWA) mean")

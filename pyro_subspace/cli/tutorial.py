@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import runpy
+import sys
 from pathlib import Path
 
 from . import options
@@ -11,21 +13,39 @@ from . import options
 GRID_TUTORIAL = "06"  # the subspace x inference grid (Subspace Inference, Figure 3)
 
 
-def run_tutorial(name: str) -> None:
-    """Run ``tutorials/<name>*.py`` from a source checkout (e.g. ``pyro-subspace tutorial 01``)."""
-    folder = Path(__file__).resolve().parents[2] / "tutorials"
+def tutorial_folder() -> Path:
+    """The tutorials shipped with the package (``pyro_subspace/tutorials``: in a source checkout
+    a link to ``tutorials/``, in an installed copy package data)."""
+    return Path(str(importlib.resources.files("pyro_subspace") / "tutorials"))
+
+
+def find_tutorial(name: str) -> Path:
+    """The tutorial script whose file name starts with ``name`` (e.g. ``"01"``)."""
+    folder = tutorial_folder()
     matches = sorted(folder.glob(f"{name}*.py")) if folder.is_dir() else []
     if not matches:
-        available = sorted(p.stem for p in folder.glob("*.py")) if folder.is_dir() else []
+        available = sorted(p.stem for p in folder.glob("[0-9]*.py")) if folder.is_dir() else []
         raise SystemExit(f"tutorial {name!r} not found in {folder}; available: {available}")
-    runpy.run_path(str(matches[0]), run_name="__main__")
+    return matches[0]
+
+
+def run_tutorial(name: str) -> None:
+    """Run a tutorial (e.g. ``pyro-subspace tutorial 01``) from the installed package or a
+    source checkout; its folder is importable meanwhile (tutorials 03-04 import ``benchmarks``)."""
+    script = find_tutorial(name)
+    print(f"running {script} (PNGs go to $PYRO_SUBSPACE_OUT, default ./out)", flush=True)
+    sys.path.insert(0, str(script.parent))
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.path.remove(str(script.parent))
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
     t = options.command_parser(
         commands,
         "tutorial",
-        "run tutorials/NAME*.py from a source checkout",
+        "run a tutorial script (shipped with the package)",
         "Run a tutorial script; PYRO_SUBSPACE_TINY=1 shrinks its settings.",
     )
     t.add_argument("name", help="the tutorial's number or name prefix, e.g. 01")

@@ -225,8 +225,12 @@ class DeepEnsemble(MixturePredictor):
             `TrainedEnsemble.likelihoods` when the noise scale was learned).
 
     Example:
-        >>> ens = train_ensemble(make_net, Categorical(), x, y, n_members=5)  # doctest: +SKIP
-        >>> probs = DeepEnsemble(ens.nets, Categorical()).predict(x_test)     # doctest: +SKIP
+        >>> x, y = torch.randn(60, 3), torch.randint(0, 2, (60,))
+        >>> def make_net():
+        ...     return nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> ens = train_ensemble(make_net, Categorical(), x, y, n_members=3, epochs=5,
+        ...                      progress=False)
+        >>> probs = DeepEnsemble(ens.nets, Categorical()).predict(x[:4])
     """
 
     def __init__(

@@ -81,10 +81,14 @@ class MixtureOfLaplace(MixturePredictor):
     ``(K,)`` float64, ``log_evidences`` ``(K,)``.
 
     Example:
-        >>> ens = train_ensemble(make_net, Categorical(), x, y, n_members=5)   # doctest: +SKIP
+        >>> x, y = torch.randn(60, 3), torch.randint(0, 2, (60,))
+        >>> def make_net():
+        ...     return nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> ens = train_ensemble(make_net, Categorical(), x, y, n_members=2, epochs=5,
+        ...                      progress=False)
         >>> mola = MixtureOfLaplace(ens.nets, Categorical(), prior_precision=1.0).fit(x, y)
-        >>> probs = mola.predict(x_test)                  # mixture probit, eq. (1)
-        >>> probs_mc = mola.predict(x_test, method="mc", num_samples=1000)
+        >>> probs = mola.predict(x[:4])                  # mixture probit, eq. (1)
+        >>> probs_mc = mola.predict(x[:4], method="mc", num_samples=100)
     """
 
     def __init__(

@@ -82,9 +82,13 @@ class SWAG(MixturePredictor, nn.Module):
     constructor arguments, not state.
 
     Example:
-        >>> col = SWACollector(net)                                  # doctest: +SKIP
-        >>> fit_map(net, lik, x, y, epochs=0, collector=col, swa_epochs=20)  # doctest: +SKIP
-        >>> probs = SWAG(col, Categorical()).predict(x_test)         # doctest: +SKIP
+        >>> x, y = torch.randn(60, 3), torch.randint(0, 2, (60,))
+        >>> net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> col = SWACollector(net)
+        >>> lik = likelihoods.Categorical()
+        >>> _ = fit_map(net, lik, x, y, epochs=0, collector=col, swa_epochs=5, swa_lr=1e-2,
+        ...             progress=False)
+        >>> probs = SWAG(col, lik).predict(x[:4])
     """
 
     def __init__(

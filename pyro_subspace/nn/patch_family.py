@@ -62,6 +62,7 @@ from pyro.poutine.runtime import get_plates
 from torch import nn
 
 from .. import _checks as ck
+from .subspace_net import check_data
 
 MODES = ("emp", "ecmp", "dropout", "dropconnect", "ensemble")
 #: normalisation layers whose affine parameters ``patches="auto"`` patches (section 3.3).
@@ -435,3 +436,20 @@ def _components(
             value = value + jitter * noise.to(value.device)
         comps.append(value)
     return torch.stack(comps)
+
+
+def check_call(x, y, size, num_data) -> tuple[int, int | None, int]:
+    """Validate a model call; return (N, subsample size, plate size)."""
+    n = check_data(x, y)
+    if size is not None:
+        ck.positive_int(size, "subsample_size")
+        if size > n:
+            raise ValueError(f"subsample_size: {size} exceeds the number of data points {n}")
+    if num_data is not None:
+        ck.positive_int(num_data, "num_data")
+        if num_data < n:
+            raise ValueError(f"num_data: {num_data} is smaller than the batch size {n}")
+        if size is not None:
+            raise ValueError("num_data: give either num_data (x is a minibatch) or subsample_size")
+        return n, None, num_data
+    return n, size, n

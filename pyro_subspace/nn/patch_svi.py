@@ -175,7 +175,7 @@ def svi_step(model, x: torch.Tensor, y: torch.Tensor, lr: float):
 
     def step(idx: torch.Tensor) -> float:
         with pyro.validation_enabled(False):
-            return svi.step(x[idx], y[idx], num_data=n) / n
+            return (svi.step(x[idx], y[idx], num_data=n) - model.elbo_constant) / n
 
     return step
 

@@ -39,8 +39,7 @@ from ..likelihoods import Likelihood, check_temperature
 from ..minibatch import minibatch_loop, shuffle_generator
 from ..threads import thread_policy
 from . import patch_svi
-from .patch_family import PatchFamily, drop_data_dim, plate_batch_shape, positive
-from .subspace_net import check_data
+from .patch_family import PatchFamily, check_call, drop_data_dim, plate_batch_shape, positive
 
 __all__ = ["PatchedNet"]
 
@@ -94,11 +93,13 @@ class PatchedNet(PyroModule):
     the names ``loc_<param>``: call ``pyro.clear_param_store()`` before building a second model.
 
     Example:
+        >>> x, y = torch.randn(100, 64), torch.randint(0, 10, (100,))
         >>> net = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
         >>> model = PatchedNet(net, likelihoods.Categorical(), mode="ecmp", prior_precision=1.0)
         >>> svi = SVI(model, model.guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
-        >>> svi.step(x_batch, y_batch, num_data=len(x_train))  # doctest: +SKIP
-        >>> probs = model.predictive_mean(x_test, num_samples=100)  # doctest: +SKIP
+        >>> loss = svi.step(x[:20], y[:20], num_data=100) - model.elbo_constant  # C dominates
+        >>> model.predictive_mean(x[:5], num_samples=8).shape  # class probabilities
+        torch.Size([5, 10])
     """
 
     def __init__(
@@ -127,7 +128,7 @@ class PatchedNet(PyroModule):
         positive(init_jitter, "init_jitter", allow_zero=True)
         check_temperature(temperature)
         if subsample_size is not None:
-            _check_size(subsample_size, "subsample_size")
+            _checks.positive_int(subsample_size, "subsample_size")
         if init not in ("reset", "copy"):
             raise ValueError(f"init: expected 'reset' or 'copy', got {init!r}")
         super().__init__()
@@ -214,7 +215,7 @@ class PatchedNet(PyroModule):
             ``{"z...": assignments (S, *event), "w.<param>": weights (S, *param.shape)}``: the
             same sites as the guide, usable as ``Predictive(model, posterior_samples=...)``.
         """
-        return self.family.sample(self._parameters, _check_size(num_samples, "num_samples"))
+        return self.family.sample(self._parameters, _checks.positive_int(num_samples, "num_samples"))
 
     # ----------------------------------------------------------------------------------------
     # network evaluation
@@ -315,7 +316,7 @@ class PatchedNet(PyroModule):
             A scalar tensor, differentiable in the means.
         """
         if validate:
-            n, _, total = _check_call(x, y, None, num_data)
+            n, _, total = check_call(x, y, None, num_data)
         else:
             n = x.shape[0]
             total = n if num_data is None else num_data
@@ -374,10 +375,10 @@ class PatchedNet(PyroModule):
         Returns:
             Mean loss per data point of each epoch: for ``"torch"`` the expected NLL part of
             `negative_elbo` over ``N`` (the penalty is applied as weight decay); for ``"svi"`` the
-            whole ELBO loss over ``N``, which includes the constant ``C``.
+            ELBO loss minus the constant `elbo_constant` (which would dominate it) over ``N``.
         """
         n = _checks.check_data(self.net, x, y, self.likelihood, require_y=True)
-        _check_size(epochs, "epochs"), _check_size(batch_size, "batch_size"), positive(lr, "lr")
+        _checks.positive_int(epochs, "epochs"), _checks.positive_int(batch_size, "batch_size"), positive(lr, "lr")
         _checks.choice(method, "method", ("torch", "svi"))
         with torch.no_grad():  # check the targets against the outputs once, not every step
             probe = self.sample_outputs(x[:1], 1)[0]
@@ -422,8 +423,11 @@ class PatchedNet(PyroModule):
         subsample_size: int | None = None,
         num_data: int | None = None,
     ) -> torch.Tensor:
+        """Model: ``"obs"`` ``(N,)`` given ``x`` ``(N, ...)`` (returned; sampled if ``y`` is None),
+        ``x`` a minibatch of ``num_data`` points if given. With `guide`, ``Trace_ELBO`` is eq. (7)
+        plus `elbo_constant`, which dominates it: subtract it. Sites: see the class."""
         _checks.check_data(self.net, x, y, self.likelihood)
-        n, size, total = _check_call(x, y, subsample_size or self.subsample_size, num_data)
+        n, size, total = check_call(x, y, subsample_size or self.subsample_size, num_data)
         like = self._like()
         z = {}
         for name, shape, kind in self.family.assignment_sites():
@@ -476,24 +480,3 @@ class PatchedNet(PyroModule):
             loc = self.family.select(s, getattr(self, s.key), z, batch)  # through pyro.param
             out[s.site] = pyro.sample(s.site, self.family.weight_dist(loc, s))
         return out
-
-
-def _check_size(value: object, name: str) -> int:
-    return _checks.positive_int(value, name)
-
-
-def _check_call(x, y, size, num_data) -> tuple[int, int | None, int]:
-    """Validate a model call; return (N, subsample size, plate size)."""
-    n = check_data(x, y)
-    if size is not None:
-        _check_size(size, "subsample_size")
-        if size > n:
-            raise ValueError(f"subsample_size: {size} exceeds the number of data points {n}")
-    if num_data is not None:
-        _check_size(num_data, "num_data")
-        if num_data < n:
-            raise ValueError(f"num_data: {num_data} is smaller than the batch size {n}")
-        if size is not None:
-            raise ValueError("num_data: give either num_data (x is a minibatch) or subsample_size")
-        return n, None, num_data
-    return n, size, n

@@ -6,7 +6,7 @@ Subspace Inference (Izmailov et al., 2019), eqs. (1)–(3):
     t ~ N(t₀, (λ PᵀP)⁻¹), t₀ = −(PᵀP)⁻¹Pᵀŵ              (prior_mean="zero": w ~ N(0, λ⁻¹ I_D)
                                                          restricted to the subspace, λ = 1/σ²)
     w = ŵ + P t                                         (Subspace.weights)
-    f_n = net(x_n; w)                                   site "f" (deterministic)
+    f_n = net(x_n; w)                                   site "f" (deterministic; when y is None)
     y_n ~ p(y | f_n),  log-likelihood scaled by 1/T     site "obs" in plate "data"
 
 so that the posterior over ``t`` is the tempered posterior ``p(D|t)^{1/T} p(t)`` of eq. (3).
@@ -55,14 +55,27 @@ class SubspaceNet(PyroModule):
 
     Call as ``model(x, y=None, subsample_size=None)`` with ``x`` of shape ``(N, ...)`` and
     ``y`` of shape ``(N,)`` (``(N, 1)`` accepted), or ``(N, O)`` for multi-output regression.
-    Sites: ``"t"`` (shape ``(K,)``), ``"f"`` (network outputs ``(N, O)``), ``"obs"`` (``(N,)``).
+    Sites: ``"t"`` (shape ``(K,)``), ``"f"`` (network outputs ``(N, O)``; recorded only for
+    prediction, i.e. when ``y`` is None, so that conditioned traces have one observed site and
+    ``az.from_pyro(mcmc)`` exports only ``"obs"`` as a log-likelihood), ``"obs"`` (``(N,)``).
+    ``az.from_pyro`` exports the untempered ``log p(y_n | t)``; `convert.to_inference_data`
+    exports the tempered one that matches the posterior (see there).
     Works with ``MCMC(NUTS(model))``, ``HMC``, ``SVI`` with any autoguide, and ``Predictive``
     (also ``parallel=True``: leading sample dimensions of ``t`` are vectorised with ``vmap``).
 
     Example:
+        >>> x = torch.linspace(-1, 1, 30).unsqueeze(-1)
+        >>> y = torch.sin(3 * x[:, 0])
         >>> net = nn.Sequential(nn.Linear(1, 20), nn.Tanh(), nn.Linear(20, 1))
         >>> model = SubspaceNet(net, subspaces.random(net, 5, seed=0), likelihoods.Gaussian(0.1))
-        >>> pyro.infer.MCMC(pyro.infer.NUTS(model), num_samples=100).run(x, y)  # doctest: +SKIP
+        >>> kernel = infer.EllipticalSliceSampler(model)  # or pyro.infer.NUTS(model)
+        >>> mcmc = pyro.infer.MCMC(kernel, num_samples=20, warmup_steps=10, disable_progbar=True)
+        >>> mcmc.run(x, y)
+        >>> t = mcmc.get_samples()["t"]
+        >>> t.shape
+        torch.Size([20, 5])
+        >>> pyro.infer.Predictive(model, {"t": t})(x)["f"].shape  # outputs at each draw
+        torch.Size([20, 30, 1])
     """
 
     def __init__(
@@ -264,6 +277,23 @@ class SubspaceNet(PyroModule):
     def forward(
         self, x: torch.Tensor, y: torch.Tensor | None = None, subsample_size: int | None = None
     ) -> torch.Tensor:
+        """Run the model: sample ``t``, evaluate the network at ``w = ŵ + P t``, observe ``y``.
+
+        Args:
+            x: inputs ``(N, ...)``.
+            y: targets ``(N,)`` (``(N, 1)`` accepted; ``(N, O)`` for multi-output regression),
+                or ``None`` to predict: ``"obs"`` is then sampled from ``p(y | f)``.
+            subsample_size: minibatch size ``B`` of the ``"data"`` plate for this call
+                (default: the constructor's; ``None``: all ``N`` points). The minibatch
+                log-likelihood is scaled by ``N/B`` and by ``1/T`` (eq. 3).
+
+        Returns:
+            The ``"obs"`` value: ``y`` (subsampled like the plate) when given, else a draw
+            ``(N,)`` (``(B,)`` with subsampling; leading sample dims under vectorised plates).
+
+        Sites: ``"t"`` ``(K,)``; ``"f"`` (deterministic outputs ``(N, O)``, only when ``y`` is
+        ``None``); ``"obs"`` in plate ``"data"``.
+        """
         n = self.check_data(x, y)
         size = _check_subsample(subsample_size) or self.subsample_size
         if size is not None and size > n:
@@ -282,7 +312,8 @@ class SubspaceNet(PyroModule):
                 yb = self.likelihood.validate(out, yb)
             else:
                 self.likelihood.check_outputs(out)
-            pyro.deterministic("f", out, event_dim=1)
+            if yb is None:  # a prediction: record the outputs (not an observation, see above)
+                pyro.deterministic("f", out, event_dim=1)
             return self.likelihood.observe(out, yb, temperature)
 
 

@@ -61,10 +61,14 @@ class AutoSubspaceLaplace(AutoContinuous):
     linearised predictive use this one ``Σ``.
 
     Example:
+        >>> x, y = torch.randn(30, 2), torch.randn(30)
+        >>> net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+        >>> model = SubspaceNet(net, subspaces.LastLayerSubspace(net), likelihoods.Gaussian(0.5))
         >>> guide = AutoSubspaceLaplace(model, prior_precision=1.0, prior_mean="zero")
-        >>> guide.fit(x, y)                                            # doctest: +SKIP
-        >>> guide.predict(x_test).mean                                 # doctest: +SKIP
-        >>> Predictive(model, guide=guide, num_samples=100)(x_test)["f"]  # doctest: +SKIP
+        >>> guide = guide.fit(x, y)
+        >>> guide.covariance.shape                                     # K = 8 + 1 weights
+        torch.Size([9, 9])
+        >>> f = Predictive(model, guide=guide, num_samples=10)(x[:4])["f"]  # (10, 4, 1)
     """
 
     def __init__(
