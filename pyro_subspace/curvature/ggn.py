@@ -137,9 +137,13 @@ def ggn_from_blocks(
     over blocks ``(outputs (n, O), J_n P (n, O, K))`` onto ``total`` (``None``: start at zero;
     returns ``None`` for no blocks). Positive semi-definite by construction."""
     for out, jp in blocks:
-        a = torch.einsum("nok,noc->nck", jp, hessian_factor(likelihood, out))
-        part = a.square().sum((0, 1)) if diagonal else torch.einsum("nck,ncj->kj", a, a)
-        total = part if total is None else total + part
+        k = jp.shape[-1]
+        a = torch.bmm(hessian_factor(likelihood, out).transpose(1, 2).to(jp), jp).reshape(-1, k)
+        if diagonal:
+            part = a.square().sum(0)
+            total = part if total is None else total + part
+        else:  # one matrix multiply per block: Aᵀ A with A = (L_nᵀ J_n P) stacked, (n·O, K)
+            total = a.T @ a if total is None else total.addmm_(a.T, a)
     return total
 
 
