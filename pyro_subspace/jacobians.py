@@ -29,6 +29,18 @@ from .flat import FlatNet, eval_mode
 MAX_JACOBIAN_NUMBERS = 50_000_000
 
 Blocks = Iterator[tuple[torch.Tensor, torch.Tensor]]
+#: ``outputs (n, O) -> L (n, O, C)``, e.g. the factor ``H_n = L_n L_nᵀ`` of the output Hessian:
+#: a Jacobian block ``J_n P`` is then returned as ``L_nᵀ J_n P`` ``(n, C, K)``.
+Factor = Callable[[torch.Tensor], torch.Tensor] | None
+
+
+def weighted(blocks: Blocks, factor: Factor) -> Blocks:
+    """Blocks ``(outputs, J_n P (n, O, K))`` as ``(outputs, L_nᵀ J_n P (n, C, K))``."""
+    if factor is None:
+        yield from blocks
+        return
+    for out, jp in blocks:
+        yield out, torch.bmm(factor(out).transpose(1, 2).to(jp), jp)
 
 
 def as_2d(out: torch.Tensor) -> torch.Tensor:
@@ -119,14 +131,17 @@ def linear_plan(flat: FlatNet, idx: torch.Tensor) -> tuple[dict, torch.Tensor]:
 
 
 def linear_index_jacobians(
-    flat: FlatNet, plan: dict, w: torch.Tensor, x: torch.Tensor
+    flat: FlatNet, plan: dict, w: torch.Tensor, x: torch.Tensor, factor: Factor = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(outputs (n, O), columns (n, O, K_lin))`` for the Linear-layer weights of ``plan``.
+    """``(outputs (n, O), columns (C, n, K_lin))`` for the Linear-layer weights of ``plan``.
 
     One forward pass at ``w`` with hooks that keep each planned layer's input ``a`` ``(n, in)``
     and output ``z`` ``(n, out)``, one backward pass batched over the ``O`` output classes for
     ``g = ∂f_c/∂z`` ``(O, n, out)``, then the products ``g[c, n, i] · a[n, j]`` (``g[c, n, i]``
-    for a bias). Columns come in the order of ``torch.cat`` over the plan's ``pos``. Rows must
+    for a bias). With a ``factor`` ``L`` ``(n, O, C)`` the backward pass seeds ``L[n, :, c]``
+    instead of the unit vectors, so ``L_nᵀ J_n`` comes out directly (``C`` classes). Columns
+    come in the order of ``torch.cat`` over the plan's ``pos``; class-major, so that
+    ``reshape(-1, K)`` is free. Rows must
     not interact (eval mode), as for every Jacobian here. Returns ``None`` when the fast path
     does not apply to this forward (a layer called more or less than once, or inputs that are
     not ``(n, in)``); the caller then takes the generic path.
@@ -152,15 +167,16 @@ def linear_index_jacobians(
     out2 = as_2d(out)
     n, o = out2.shape
     zs = [seen[name][0][1] for name in plan]
-    eye = torch.eye(o, dtype=out2.dtype, device=out2.device)
+    if factor is None:
+        seeds = torch.eye(o, dtype=out2.dtype, device=out2.device)[:, None, :].expand(o, n, o)
+    else:
+        seeds = factor(out2.detach()).to(out2).permute(2, 0, 1)  # shape: (C, n, O)
     try:  # one backward pass, batched over the output classes
-        grads = torch.autograd.grad(
-            out2, zs, eye[:, None, :].expand(o, n, o), is_grads_batched=True, allow_unused=True
-        )
+        grads = torch.autograd.grad(out2, zs, seeds, is_grads_batched=True, allow_unused=True)
     except RuntimeError:  # an op without a batching rule: one backward pass per class
         per_class = [
-            torch.autograd.grad(out2, zs, eye[c].expand(n, o), retain_graph=True, allow_unused=True)
-            for c in range(o)
+            torch.autograd.grad(out2, zs, seed, retain_graph=True, allow_unused=True)
+            for seed in seeds
         ]
         grads = [
             None if g[0] is None else torch.stack(g) for g in zip(*per_class)
@@ -169,20 +185,26 @@ def linear_index_jacobians(
     for (name, (_, i, j)), g in zip(plan.items(), grads):
         a = seen[name][0][0]
         if g is None:  # the layer does not reach the outputs
-            cols.append(out2.new_zeros(n, o, i.numel()))
+            cols.append(out2.new_zeros(seeds.shape[0], n, i.numel()))
             continue
         i, j = i.to(g.device), j.to(g.device)
         a1 = torch.cat([a, torch.ones_like(a[:, :1])], dim=1)  # j = in_features: the bias
-        g = g.transpose(0, 1).index_select(2, i)  # shape: (n, O, k_l)
-        cols.append(g.mul_(a1.index_select(1, j)[:, None, :]))
+        g = g.index_select(2, i)  # shape: (C, n, k_l)
+        cols.append(g.mul_(a1.index_select(1, j)))
     jac = cols[0] if len(cols) == 1 else torch.cat(cols, dim=2)
     return out2.detach(), jac.detach()
 
 
 def index_jacobian_blocks(
-    flat: FlatNet, x: torch.Tensor, idx: torch.Tensor, chunk_size: int | None, w: torch.Tensor
+    flat: FlatNet,
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    chunk_size: int | None,
+    w: torch.Tensor,
+    factor: Factor = None,
 ) -> Blocks:
-    """``(outputs (n, O), ∂f/∂w[idx] (n, O, K))`` per block.
+    """``(outputs (n, O), ∂f/∂w[idx] (n, O, K))`` per block (``L_nᵀ ∂f/∂w[idx]`` ``(n, C, K)``
+    with a `Factor`; then a class-major view, so that ``transpose(0, 1).reshape(-1, K)`` is free).
 
     Selected weights of ``nn.Linear`` layers: output-gradient × input products
     (`linear_index_jacobians`, ``O·K`` numbers per row). Any others: per-sample Jacobians
@@ -192,7 +214,7 @@ def index_jacobian_blocks(
     idx = idx.to(w.device)
     plan, rest = linear_plan(flat, idx)
     if not plan:
-        yield from _generic_index_blocks(flat, x, idx, chunk_size, w)
+        yield from weighted(_generic_index_blocks(flat, x, idx, chunk_size, w), factor)
         return
     lin_pos = torch.cat([p for p, _, _ in plan.values()]).to(w.device)
     rest = rest.to(w.device)
@@ -206,20 +228,22 @@ def index_jacobian_blocks(
         in_order = generic is None and torch.equal(lin_pos, torch.arange(idx.numel()).to(lin_pos))
         for start in range(0, x.shape[0], rows):
             xc = x[start : start + rows]
-            fast = linear_index_jacobians(flat, plan, w, xc)
+            fast = linear_index_jacobians(flat, plan, w, xc, factor)
             if fast is None:  # this net's forward does not fit the fast path
-                yield from _generic_index_blocks(flat, x[start:], idx, chunk_size, w)
+                rest_x = _generic_index_blocks(flat, x[start:], idx, chunk_size, w)
+                yield from weighted(rest_x, factor)
                 return
-            out, cols = fast
+            out, cols = fast  # shape: (C, n, k_lin)
             if in_order:
-                yield out, cols
+                yield out, cols.transpose(0, 1)
                 continue
             jac = cols.new_empty(*cols.shape[:2], idx.numel())
             jac[..., lin_pos] = cols
             if generic is not None:
                 theta, local, fn = generic
-                jac[..., rest] = per_sample_jacobians(fn, theta, xc)[..., local].detach()
-            yield out, jac
+                other = per_sample_jacobians(fn, theta, xc)[..., local].detach()
+                jac[..., rest] = next(weighted(iter([(out, other)]), factor))[1].transpose(0, 1)
+            yield out, jac.transpose(0, 1)
 
 
 def _generic_index_blocks(

@@ -17,6 +17,7 @@ from .ggn import (
     ggn_from_blocks,
     ggn_in_subspace,
     ggn_vector_product,
+    gram_from_blocks,
     output_hessian,
     subspace_jacobians,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "ggn_from_blocks",
     "ggn_in_subspace",
     "ggn_vector_product",
+    "gram_from_blocks",
     "lanczos_eigh",
     "output_hessian",
     "subspace_jacobians",

@@ -13,13 +13,14 @@ processed in chunks of rows, so memory never depends on ``N``. Networks run in e
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 from torch import nn
 from torch.func import jvp, vjp
 
 from ..flat import FlatNet, eval_mode
-from ..jacobians import MAX_JACOBIAN_NUMBERS, as_2d, full_jacobian_blocks
+from ..jacobians import MAX_JACOBIAN_NUMBERS, as_2d, full_jacobian_blocks, weighted
 from ..likelihoods import Likelihood, check_likelihood
 from ..subspaces.base import Subspace
 from .output_hessian import hessian_factor, output_hessian
@@ -107,10 +108,11 @@ def ggn_in_subspace(
     Accumulated as ``Σ_n A_nᵀ A_n`` with ``A_n = L_nᵀ J_n P`` (``H_n = L_n L_nᵀ``), so the
     result is symmetric positive semi-definite by construction.
 
-    The blocks ``J_n P`` come from `subspace_jacobians`: ``K`` forward-mode passes per chunk
-    for a dense basis; for an index basis (a subnetwork) ``O`` backward passes per row through
-    only the parameter tensors that hold a selected weight. The full ``(N·O, D)`` Jacobian and
-    the dense ``(D, K)`` basis of a subnetwork are never formed.
+    The blocks ``L_nᵀ J_n P`` come from `subspace_jacobians`: ``K`` forward-mode passes per
+    chunk for a dense basis; for an index basis (a subnetwork) the selected columns of Linear
+    layers from one backward pass seeded with ``L_n`` (others: per-sample Jacobians through only
+    the parameter tensors that hold them). ``Σ AᵀA`` is one matrix multiply per block. The full
+    ``(N·O, D)`` Jacobian and the dense ``(D, K)`` basis of a subnetwork are never formed.
 
     Args:
         net, likelihood, x: as in `ggn_vector_product`.
@@ -123,7 +125,8 @@ def ggn_in_subspace(
         Shape ``(K, K)``, in ``w``'s dtype.
     """
     _, w = _setup(net, likelihood, x, w, chunk_size)
-    total = ggn_from_blocks(likelihood, subspace_jacobians(net, x, subspace, chunk_size, w=w))
+    blocks = subspace_jacobians(net, x, subspace, chunk_size, w=w, factor=partial(hessian_factor, likelihood))
+    total = gram_from_blocks(blocks)
     return ((total + total.T) / 2).detach()
 
 
@@ -136,13 +139,24 @@ def ggn_from_blocks(
     """Accumulate ``Σ_n (L_nᵀ J_n P)ᵀ (L_nᵀ J_n P)`` (``(K, K)``, or its diagonal ``(K,)``)
     over blocks ``(outputs (n, O), J_n P (n, O, K))`` onto ``total`` (``None``: start at zero;
     returns ``None`` for no blocks). Positive semi-definite by construction."""
-    for out, jp in blocks:
-        k = jp.shape[-1]
-        a = torch.bmm(hessian_factor(likelihood, out).transpose(1, 2).to(jp), jp).reshape(-1, k)
+    return gram_from_blocks(weighted(blocks, partial(hessian_factor, likelihood)), diagonal, total)
+
+
+def gram_from_blocks(
+    blocks: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    diagonal: bool = False,
+    total: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Accumulate ``Σ_n A_nᵀ A_n`` (``(K, K)``, or its diagonal ``(K,)``) over blocks
+    ``(outputs, A (n, C, K))`` onto ``total``: one matrix multiply ``Aᵀ A`` per block, ``A``
+    read as ``(n·C, K)`` in whichever row order its memory has (the sum does not depend on it)."""
+    for _, a in blocks:
+        k = a.shape[-1]
+        a = a.reshape(-1, k) if a.is_contiguous() else a.transpose(0, 1).reshape(-1, k)
         if diagonal:
             part = a.square().sum(0)
             total = part if total is None else total + part
-        else:  # one matrix multiply per block: Aᵀ A with A = (L_nᵀ J_n P) stacked, (n·O, K)
+        else:
             total = a.T @ a if total is None else total.addmm_(a.T, a)
     return total
 
@@ -154,6 +168,7 @@ def subspace_jacobians(
     chunk_size: int | None = 1024,
     *,
     w: torch.Tensor | None = None,
+    factor=None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Blocks of outputs and subspace Jacobians ``J_n P``, never the full ``(N·O, D)`` Jacobian.
 
@@ -161,9 +176,12 @@ def subspace_jacobians(
 
     - dense basis: ``J_c P`` for a chunk of rows by ``vmap`` over the ``K`` basis columns of
       ``jvp``: memory ``chunk_size·K·(O + activations)``;
-    - index basis (a subnetwork): per-sample Jacobians (``vmap`` of ``jacrev``) with respect to
-      only the parameter tensors that hold a selected weight (``D_t`` numbers), then indexed:
-      blocks of at most ``min(chunk_size, MAX_JACOBIAN_NUMBERS // (O·D_t))`` rows;
+    - index basis (a subnetwork): for weights of ``nn.Linear`` layers, only the selected
+      columns, as products of the back-propagated output gradient at the layer's output and
+      its input (one forward and one backward pass batched over the ``O`` outputs); for any
+      other weights, per-sample Jacobians (``vmap`` of ``jacrev``) with respect to only the
+      parameter tensors that hold them (``D_t`` numbers), then indexed: blocks of at most
+      ``min(chunk_size, MAX_JACOBIAN_NUMBERS // (O·(K + D_t)))`` rows;
     - last layer: from the penultimate features in one forward pass, no differentiation.
 
     Args:
@@ -172,6 +190,8 @@ def subspace_jacobians(
         subspace: a `Subspace` of this network (``subspace.dim == D``); its shift is not used.
         chunk_size: rows per block (``None``: as many as the memory budget allows).
         w: flat weights ``(D,)``; default the network's current weights.
+        factor: optional ``outputs (n, O) -> L (n, O, C)``; the blocks then hold ``L_nᵀ J_n P``
+            ``(n, C, K)`` (with the output-Hessian factor: the rows of the GGN's ``A``).
 
     Yields:
         ``(outputs, jp)`` per block of ``n`` rows: ``outputs`` ``(n, O)`` at ``w`` and
@@ -182,7 +202,7 @@ def subspace_jacobians(
         raise TypeError(f"subspace: expected a Subspace, got {type(subspace).__name__}")
     if subspace.dim != w.numel():
         raise ValueError(f"subspace: has D={subspace.dim}, the network has {w.numel()} weights")
-    return subspace.jacobian_blocks(flat, x, w, chunk_size)
+    return subspace.jacobian_blocks(flat, x, w, chunk_size, factor)
 
 
 def full_jacobians(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..curvature import ggn_from_blocks
+from ..curvature import gram_from_blocks
 from ..data import DataSource
 from ..flat import FlatNet
 
@@ -113,15 +113,17 @@ class Evaluator:
 
     def ggn(self, t: torch.Tensor, diagonal: bool = False, chunk_size: int | None = None):
         """``Pᵀ G P`` ``(K, K)`` (or its diagonal ``(K,)``) at ``w = ŵ + P t``, untempered,
-        float64, from the subspace's Jacobian blocks (Subnetwork Inference eqs. 9, 15)."""
+        float64, from the subspace's Jacobian blocks (Subnetwork Inference eqs. 9, 15),
+        weighted by the output-Hessian factor ``H_n = L_n L_nᵀ`` inside the Jacobian pass."""
         model = self.model
         w = model.subspace.weights(t).detach()
         flat = FlatNet(model.flat.net, batch_strategy="loop")
         chunk = chunk_size or self.data.chunk_size
         total = None
         for xc in self.data.inputs():
-            blocks = model.subspace.jacobian_blocks(flat, xc, w, chunk)
-            total = ggn_from_blocks(model.likelihood, blocks, diagonal, total)
+            factor = model.likelihood.hessian_factor
+            blocks = model.subspace.jacobian_blocks(flat, xc, w, chunk, factor)
+            total = gram_from_blocks(blocks, diagonal, total)
         if not diagonal:
             total = (total + total.T) / 2
         return total.detach().to(torch.float64)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..flat import FlatNet, eval_mode
-from ..jacobians import Blocks, as_2d
+from ..jacobians import Blocks, as_2d, weighted
 from .base import IndexSubspace
 
 
@@ -94,8 +94,11 @@ class LastLayerSubspace(IndexSubspace):
         finally:
             handle.remove()
 
-    def jacobian_blocks(self, flat, x, w, chunk_size=1024) -> Blocks:
+    def jacobian_blocks(self, flat, x, w, chunk_size=1024, factor=None) -> Blocks:
         """``J_n P`` from the features: ``(J P)_{c, rows[c, p]} = φ̃_p``, zero elsewhere."""
+        return weighted(self._feature_jacobians(flat, x, w, chunk_size), factor)
+
+    def _feature_jacobians(self, flat, x, w, chunk_size) -> Blocks:
         c, k = self.rows.shape[0], self.rank
         for out, phi in self.feature_blocks(flat, x, w, chunk_size):
             jp = phi.new_zeros(out.shape[0], c, k)
