@@ -133,15 +133,15 @@ def linear_plan(flat: FlatNet, idx: torch.Tensor) -> tuple[dict, torch.Tensor]:
 def linear_index_jacobians(
     flat: FlatNet, plan: dict, w: torch.Tensor, x: torch.Tensor, factor: Factor = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(outputs (n, O), columns (C, n, K_lin))`` for the Linear-layer weights of ``plan``.
+    """``(outputs (n, O), columns (K_lin, C, n))`` for the Linear-layer weights of ``plan``.
 
     One forward pass at ``w`` with hooks that keep each planned layer's input ``a`` ``(n, in)``
     and output ``z`` ``(n, out)``, one backward pass batched over the ``O`` output classes for
     ``g = ∂f_c/∂z`` ``(O, n, out)``, then the products ``g[c, n, i] · a[n, j]`` (``g[c, n, i]``
     for a bias). With a ``factor`` ``L`` ``(n, O, C)`` the backward pass seeds ``L[n, :, c]``
     instead of the unit vectors, so ``L_nᵀ J_n`` comes out directly (``C`` classes). Columns
-    come in the order of ``torch.cat`` over the plan's ``pos``; class-major, so that
-    ``reshape(-1, K)`` is free. Rows must
+    come in the order of ``torch.cat`` over the plan's ``pos``, column-major, so that the
+    transpose ``(K, C·n)`` of the GGN's ``A`` is a free reshape. Rows must
     not interact (eval mode), as for every Jacobian here. Returns ``None`` when the fast path
     does not apply to this forward (a layer called more or less than once, or inputs that are
     not ``(n, in)``); the caller then takes the generic path.
@@ -185,13 +185,14 @@ def linear_index_jacobians(
     for (name, (_, i, j)), g in zip(plan.items(), grads):
         a = seen[name][0][0]
         if g is None:  # the layer does not reach the outputs
-            cols.append(out2.new_zeros(seeds.shape[0], n, i.numel()))
+            cols.append(out2.new_zeros(i.numel(), seeds.shape[0], n))
             continue
         i, j = i.to(g.device), j.to(g.device)
-        a1 = torch.cat([a, torch.ones_like(a[:, :1])], dim=1)  # j = in_features: the bias
-        g = g.index_select(2, i)  # shape: (C, n, k_l)
-        cols.append(g.mul_(a1.index_select(1, j)))
-    jac = cols[0] if len(cols) == 1 else torch.cat(cols, dim=2)
+        # Row gathers of contiguous rows (fast), not gathers along the last dimension.
+        a1 = torch.cat([a.T, torch.ones_like(a[:, 0])[None]])  # (in + 1, n); the bias row
+        g = g.permute(2, 0, 1).contiguous().index_select(0, i)  # shape: (k_l, C, n)
+        cols.append(g.mul_(a1.index_select(0, j)[:, None, :]))
+    jac = cols[0] if len(cols) == 1 else torch.cat(cols)
     return out2.detach(), jac.detach()
 
 
@@ -204,7 +205,7 @@ def index_jacobian_blocks(
     factor: Factor = None,
 ) -> Blocks:
     """``(outputs (n, O), ∂f/∂w[idx] (n, O, K))`` per block (``L_nᵀ ∂f/∂w[idx]`` ``(n, C, K)``
-    with a `Factor`; then a class-major view, so that ``transpose(0, 1).reshape(-1, K)`` is free).
+    with a `Factor`); Linear-layer columns come as a view of a column-major ``(K, C, n)`` tensor.
 
     Selected weights of ``nn.Linear`` layers: output-gradient × input products
     (`linear_index_jacobians`, ``O·K`` numbers per row). Any others: per-sample Jacobians
@@ -233,17 +234,17 @@ def index_jacobian_blocks(
                 rest_x = _generic_index_blocks(flat, x[start:], idx, chunk_size, w)
                 yield from weighted(rest_x, factor)
                 return
-            out, cols = fast  # shape: (C, n, k_lin)
+            out, cols = fast  # shape: (k_lin, C, n)
             if in_order:
-                yield out, cols.transpose(0, 1)
+                yield out, cols.permute(2, 1, 0)
                 continue
-            jac = cols.new_empty(*cols.shape[:2], idx.numel())
-            jac[..., lin_pos] = cols
+            jac = cols.new_empty(idx.numel(), *cols.shape[1:])
+            jac[lin_pos] = cols
             if generic is not None:
                 theta, local, fn = generic
                 other = per_sample_jacobians(fn, theta, xc)[..., local].detach()
-                jac[..., rest] = next(weighted(iter([(out, other)]), factor))[1].transpose(0, 1)
-            yield out, jac.transpose(0, 1)
+                jac[rest] = next(weighted(iter([(out, other)]), factor))[1].permute(2, 1, 0)
+            yield out, jac.permute(2, 1, 0)
 
 
 def _generic_index_blocks(

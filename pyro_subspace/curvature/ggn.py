@@ -152,12 +152,15 @@ def gram_from_blocks(
     read as ``(n·C, K)`` in whichever row order its memory has (the sum does not depend on it)."""
     for _, a in blocks:
         k = a.shape[-1]
-        a = a.reshape(-1, k) if a.is_contiguous() else a.transpose(0, 1).reshape(-1, k)
+        if a.permute(2, 1, 0).is_contiguous():  # column-major blocks: Aᵀ is a free reshape
+            at = a.permute(2, 1, 0).reshape(k, -1)
+        else:
+            at = a.reshape(-1, k).T
         if diagonal:
-            part = a.square().sum(0)
+            part = at.square().sum(1)
             total = part if total is None else total + part
         else:
-            total = a.T @ a if total is None else total.addmm_(a.T, a)
+            total = at @ at.T if total is None else total.addmm_(at, at.T)
     return total
 
 
