@@ -150,6 +150,7 @@ def gram_from_blocks(
     """Accumulate ``Σ_n A_nᵀ A_n`` (``(K, K)``, or its diagonal ``(K,)``) over blocks
     ``(outputs, A (n, C, K))`` onto ``total``: one matrix multiply ``Aᵀ A`` per block, ``A``
     read as ``(n·C, K)`` in whichever row order its memory has (the sum does not depend on it)."""
+    upper = None  # a symmetric rank-k update (BLAS syrk) fills only the upper triangle
     for _, a in blocks:
         k = a.shape[-1]
         if a.permute(2, 1, 0).is_contiguous():  # column-major blocks: Aᵀ is a free reshape
@@ -159,9 +160,51 @@ def gram_from_blocks(
         if diagonal:
             part = at.square().sum(1)
             total = part if total is None else total + part
+        elif upper is not None or _syrk_ok(at):
+            upper = _syrk(at, upper)
         else:
             total = at @ at.T if total is None else total.addmm_(at, at.T)
+    if upper is not None:
+        part = torch.from_numpy(upper).to(at.device)
+        part = part + part.triu(1).T  # the full symmetric matrix from its upper triangle
+        total = part if total is None else total + part
     return total
+
+
+#: Use BLAS ``syrk`` (half the multiplications of ``Aᵀ A``) through SciPy for CPU blocks.
+USE_SYRK = True
+
+
+def _syrk_ok(at: torch.Tensor) -> bool:
+    return (
+        USE_SYRK
+        and at.device.type == "cpu"
+        and at.dtype in (torch.float32, torch.float64)
+        and at.shape[0] >= 64
+        and _blas() is not None
+    )
+
+
+def _blas():
+    try:
+        from scipy.linalg import blas
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - scipy comes with scikit-learn
+        return None
+    return blas, threadpool_limits
+
+
+def _syrk(at: torch.Tensor, upper):
+    """``upper += (at atᵀ)`` on the upper triangle, ``at`` ``(K, rows)``; ``upper`` a
+    Fortran-ordered ``(K, K)`` NumPy array (``None``: start at zero). SciPy's BLAS runs with
+    torch's thread count."""
+    blas, limits = _blas()
+    syrk = blas.ssyrk if at.dtype == torch.float32 else blas.dsyrk
+    a = at.detach().contiguous().numpy().T  # (rows, K), Fortran-ordered: no copy in the call
+    with limits(torch.get_num_threads(), user_api="blas"):
+        if upper is None:
+            return syrk(1.0, a, trans=1)
+        return syrk(1.0, a, beta=1.0, c=upper, trans=1, overwrite_c=1)
 
 
 def subspace_jacobians(
