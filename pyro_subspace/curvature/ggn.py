@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.func import jvp, vjp
 
+from .._linalg import blas_threads
 from ..flat import FlatNet, eval_mode
 from ..jacobians import MAX_JACOBIAN_NUMBERS, as_2d, full_jacobian_blocks, weighted
 from ..likelihoods import Likelihood, check_likelihood
@@ -187,21 +188,21 @@ def _syrk_ok(at: torch.Tensor) -> bool:
 
 def _blas():
     try:
+        import threadpoolctl  # noqa: F401
         from scipy.linalg import blas
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - scipy comes with scikit-learn
+    except ImportError:  # pragma: no cover - both come with scikit-learn
         return None
-    return blas, threadpool_limits
+    return blas
 
 
 def _syrk(at: torch.Tensor, upper):
     """``upper += (at atᵀ)`` on the upper triangle, ``at`` ``(K, rows)``; ``upper`` a
     Fortran-ordered ``(K, K)`` NumPy array (``None``: start at zero). SciPy's BLAS runs with
     torch's thread count."""
-    blas, limits = _blas()
+    blas = _blas()
     syrk = blas.ssyrk if at.dtype == torch.float32 else blas.dsyrk
     a = at.detach().contiguous().numpy().T  # (rows, K), Fortran-ordered: no copy in the call
-    with limits(torch.get_num_threads(), user_api="blas"):
+    with blas_threads():
         if upper is None:
             return syrk(1.0, a, trans=1)
         return syrk(1.0, a, beta=1.0, c=upper, trans=1, overwrite_c=1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._linalg import logdet, precision_to_scale_tril
+from ..._linalg import logdet, precision_to_scale_tril, tril_outer
 
 
 class FullStructure:
@@ -43,7 +43,7 @@ class FullStructure:
 
     @staticmethod
     def covariance(factor: torch.Tensor) -> torch.Tensor:
-        return factor @ factor.T
+        return tril_outer(factor)
 
     @staticmethod
     def functional_covariance(jp: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
