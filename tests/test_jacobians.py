@@ -108,3 +108,28 @@ def test_subnetwork_ggn_equals_dense_sum(name, syrk, monkeypatch):
         h = output_hessian(lik, flat(w, x))
     want = torch.einsum("nok,nop,npj->kj", j, h, j)
     assert (got - want).abs().max() <= 1e-12 * want.abs().max()
+
+
+@pytest.mark.parametrize("lik", [likelihoods.Categorical(), likelihoods.Gaussian(sigma=0.7)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_last_layer_closed_form_ggn_equals_the_generic_sum(lik, bias):
+    """`LastLayerSubspace.ggn_sum` (``Σ_n H_n ⊗ φ̃ φ̃ᵀ``) = the generic ``Σ AᵀA`` over the same
+    weights as an index subspace (full matrix and diagonal)."""
+    from pyro_subspace.nn.evaluator import Evaluator  # noqa: F401  (the caller of ggn_sum)
+    from pyro_subspace.subspaces import LastLayerSubspace
+
+    torch.manual_seed(0)
+    o = 3 if isinstance(lik, likelihoods.Categorical) else 2
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, o, bias=bias)).double().eval()
+    flat = FlatNet(net)
+    w = flat.vector()
+    x = torch.randn(11, 4, dtype=torch.float64)
+    last = LastLayerSubspace(net)
+    index = Subspace(w, last.basis)
+    for diagonal in (False, True):
+        got = last.ggn_sum(flat, x, w, 4, lik.hessian_factor, diagonal)
+        want = ggn_module.gram_from_blocks(
+            index.jacobian_blocks(flat, x, w, 4, lik.hessian_factor), diagonal
+        )
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= 1e-12 * want.abs().max()

@@ -125,9 +125,9 @@ def ggn_in_subspace(
     Returns:
         Shape ``(K, K)``, in ``w``'s dtype.
     """
-    _, w = _setup(net, likelihood, x, w, chunk_size)
-    blocks = subspace_jacobians(net, x, subspace, chunk_size, w=w, factor=partial(hessian_factor, likelihood))
-    total = gram_from_blocks(blocks)
+    flat, w = _setup(net, likelihood, x, w, chunk_size)
+    _check_subspace(subspace, w)
+    total = subspace.ggn_sum(flat, x, w, chunk_size, partial(hessian_factor, likelihood))
     return ((total + total.T) / 2).detach()
 
 
@@ -245,11 +245,15 @@ def subspace_jacobians(
         ``jp = ∂f/∂w · P`` of shape ``(n, O, K)``, both detached, in ``w``'s dtype.
     """
     flat, w = _setup(net, None, x, w, chunk_size)
+    _check_subspace(subspace, w)
+    return subspace.jacobian_blocks(flat, x, w, chunk_size, factor)
+
+
+def _check_subspace(subspace: object, w: torch.Tensor) -> None:
     if not isinstance(subspace, Subspace):
         raise TypeError(f"subspace: expected a Subspace, got {type(subspace).__name__}")
     if subspace.dim != w.numel():
         raise ValueError(f"subspace: has D={subspace.dim}, the network has {w.numel()} weights")
-    return subspace.jacobian_blocks(flat, x, w, chunk_size, factor)
 
 
 def full_jacobians(

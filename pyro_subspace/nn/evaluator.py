@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..curvature import gram_from_blocks
 from ..data import DataSource
 from ..flat import FlatNet
 
@@ -120,10 +119,9 @@ class Evaluator:
         flat = FlatNet(model.flat.net, batch_strategy="loop")
         chunk = chunk_size or self.data.chunk_size
         total = None
+        factor = model.likelihood.hessian_factor
         for xc in self.data.inputs():
-            factor = model.likelihood.hessian_factor
-            blocks = model.subspace.jacobian_blocks(flat, xc, w, chunk, factor)
-            total = gram_from_blocks(blocks, diagonal, total)
+            total = model.subspace.ggn_sum(flat, xc, w, chunk, factor, diagonal, total)
         if not diagonal:
             total = (total + total.T) / 2
         return total.detach().to(torch.float64)

@@ -175,6 +175,24 @@ class Subspace(nn.Module):
         ``L_nᵀ J_n P`` ``(n, C, K)`` instead, which the GGN needs."""
         raise NotImplementedError
 
+    def ggn_sum(
+        self,
+        flat: FlatNet,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        chunk_size: int | None,
+        factor: Factor,
+        diagonal: bool = False,
+        total: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """``total + Σ_n (J_n P)ᵀ H_n (J_n P)`` over the rows of ``x`` (``(K, K)``, or its
+        diagonal ``(K,)``; ``None`` for no rows), ``H_n = L_n L_nᵀ`` with ``L = factor(outputs)``
+        (Subnetwork Inference eqs. 9, 15): ``Σ AᵀA`` over the blocks ``A = L_nᵀ J_n P``."""
+        from ..curvature.ggn import gram_from_blocks
+
+        blocks = self.jacobian_blocks(flat, x, w, chunk_size, factor)
+        return gram_from_blocks(blocks, diagonal, total)
+
     def dense_basis(self) -> torch.Tensor:
         """The basis as a dense ``(D, K)`` matrix (materialises index selections: use sparingly)."""
         raise NotImplementedError
