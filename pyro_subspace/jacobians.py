@@ -100,9 +100,9 @@ def linear_plan(flat: FlatNet, idx: torch.Tensor) -> tuple[dict, torch.Tensor]:
     """Which selected weights sit in an ``nn.Linear`` (the fast path) and which do not.
 
     Returns ``plan`` ``{layer name: (pos, i, j)}`` (``pos``: positions in ``idx``; ``i``: output
-    unit; ``j``: input unit, ``in_features`` for the bias; each ``(k_l,)`` long) and ``rest`` ``(K_r,)``,
-    the positions of every other selected weight. A Linear whose parameters are shared with
-    another module goes to ``rest``.
+    unit; ``j``: input unit, ``in_features`` for the bias; each ``(k_l,)`` long) and ``rest``
+    ``(K_r,)``, the positions of every other selected weight. A Linear whose parameters are
+    shared with another module goes to ``rest``.
     """
     owners: dict[int, int] = {}
     for m in flat.net.modules():
@@ -124,8 +124,8 @@ def linear_plan(flat: FlatNet, idx: torch.Tensor) -> tuple[dict, torch.Tensor]:
         if attr == "bias":
             i, j = local, torch.full_like(local, module.in_features)
         old = plan.get(layer)
-        new = (pos, i, j) if old is None else tuple(torch.cat([a, b]) for a, b in zip(old, (pos, i, j)))
-        plan[layer] = new
+        new = (pos, i, j)
+        plan[layer] = new if old is None else tuple(torch.cat(ab) for ab in zip(old, new))
     rest_pos = torch.cat(rest) if rest else torch.zeros(0, dtype=torch.long)
     return plan, rest_pos
 
@@ -141,10 +141,10 @@ def linear_index_jacobians(
     for a bias). With a ``factor`` ``L`` ``(n, O, C)`` the backward pass seeds ``L[n, :, c]``
     instead of the unit vectors, so ``L_nᵀ J_n`` comes out directly (``C`` classes). Columns
     come in the order of ``torch.cat`` over the plan's ``pos``, column-major, so that the
-    transpose ``(K, C·n)`` of the GGN's ``A`` is a free reshape. Rows must
-    not interact (eval mode), as for every Jacobian here. Returns ``None`` when the fast path
-    does not apply to this forward (a layer called more or less than once, or inputs that are
-    not ``(n, in)``); the caller then takes the generic path.
+    transpose ``(K, C·n)`` of the GGN's ``A`` is a free reshape. Rows must not interact (eval
+    mode), as for every Jacobian here. Returns ``None`` when the fast path does not apply to
+    this forward (a layer called more or less than once, or inputs that are not ``(n, in)``);
+    the caller then takes the generic path.
     """
     seen: dict[str, list] = {name: [] for name in plan}
 
@@ -178,9 +178,7 @@ def linear_index_jacobians(
             torch.autograd.grad(out2, zs, seed, retain_graph=True, allow_unused=True)
             for seed in seeds
         ]
-        grads = [
-            None if g[0] is None else torch.stack(g) for g in zip(*per_class)
-        ]
+        grads = [None if g[0] is None else torch.stack(g) for g in zip(*per_class)]
     cols = []
     for (name, (_, i, j)), g in zip(plan.items(), grads):
         a = seen[name][0][0]

@@ -37,8 +37,12 @@ class Twice(nn.Module):
 def nets():
     torch.manual_seed(0)
     return {
-        "bias": nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)),
-        "no_bias": nn.Sequential(nn.Linear(4, 6, bias=False), nn.Tanh(), nn.Linear(6, 3, bias=False)),
+        "bias": nn.Sequential(
+            nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)
+        ),
+        "no_bias": nn.Sequential(
+            nn.Linear(4, 6, bias=False), nn.Tanh(), nn.Linear(6, 3, bias=False)
+        ),
         "one_output": nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)),
         "inplace": nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 3)),
         "batchnorm": nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3)),
@@ -115,7 +119,6 @@ def test_subnetwork_ggn_equals_dense_sum(name, syrk, monkeypatch):
 def test_last_layer_closed_form_ggn_equals_the_generic_sum(lik, bias):
     """`LastLayerSubspace.ggn_sum` (``Σ_n H_n ⊗ φ̃ φ̃ᵀ``) = the generic ``Σ AᵀA`` over the same
     weights as an index subspace (full matrix and diagonal)."""
-    from pyro_subspace.nn.evaluator import Evaluator  # noqa: F401  (the caller of ggn_sum)
     from pyro_subspace.subspaces import LastLayerSubspace
 
     torch.manual_seed(0)
