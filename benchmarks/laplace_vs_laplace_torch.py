@@ -274,8 +274,9 @@ def part_a(args, Laplace) -> None:
     lam, k, chunk = args.prior_precision, args.subnetwork_size, args.chunk_size
     configs = [(b, n) for b, n in LT_CONFIGS if not args.quick or n == 32]
     print("(a) Subnetwork Laplace, full K x K covariance: ours vs laplace-torch")
-    print(f"    MLP (Tanh) diabetes 10-50-50-1, digits 64-64-64-10; K = {k} weights by diag-Laplace")
-    print(f"    selection (same indices for both), lambda = {lam:g}, T = 1; our chunk_size = {chunk}.")
+    print("    MLP (Tanh) diabetes 10-50-50-1, digits 64-64-64-10; K = " + f"{k} weights by")
+    print(f"    diag-Laplace selection (same indices for both), lambda = {lam:g}, T = 1; our")
+    print(f"    chunk_size = {chunk}.")
     print("    Agreement in float64 (laplace-torch's default backend), times in float32 on one")
     print("    thread: laplace-torch's configurations screened, the two fastest then raced against")
     print(f"    ours in {args.repeats} interleaved rounds after a warm-up (best of each).")
@@ -355,7 +356,9 @@ def part_a(args, Laplace) -> None:
         for c in configs:
             cells = [screens[t][c] for t in screens]
             line = f"    {c[0]:<15}{c[1]:>6}"
-            line += "".join(f"{v:>10.3f}" if isinstance(v, float) else f"{'failed':>10}" for v in cells)
+            line += "".join(
+                f"{v:>10.3f}" if isinstance(v, float) else f"{'failed':>10}" for v in cells
+            )
             print(line)
         errors = {v for t in screens for v in screens[t].values() if isinstance(v, str)}
         for e in sorted(errors):
