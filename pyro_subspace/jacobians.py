@@ -5,6 +5,13 @@ differentiation: ``vmap`` over data points of ``jacrev`` for per-sample Jacobian
 respect to only the parameter tensors that hold some selected weights), ``vmap`` over basis
 columns of ``jvp`` for ``J P``. Networks are evaluated functionally at given flat weights; their
 own parameters are never read or changed.
+
+Selected weights of an ``nn.Linear`` layer ``z = W a + b`` need no per-sample Jacobian over the
+whole tensor: ``∂f_c/∂W_ij = (∂f_c/∂z_i) a_j`` and ``∂f_c/∂b_i = ∂f_c/∂z_i``, so one forward
+pass (hooks read every such layer's input ``a`` and output ``z``) and one batched backward pass
+over the ``O`` output classes give ``g_c = ∂f_c/∂z`` for all rows, and only the ``K`` selected
+products ``g_{c,i} a_j`` are formed (`linear_index_jacobians`). Selected weights anywhere else
+(convolutions, normalisation layers, a layer called twice) take the generic path.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
-from torch.func import functional_call, jacrev, vmap
+from torch import nn
+from torch.func import functional_call, jacrev, jvp, vmap
 
 from .autodiff import jvps, per_sample_jacobians_rowwise
 from .flat import FlatNet, eval_mode
@@ -22,6 +30,18 @@ from .flat import FlatNet, eval_mode
 MAX_JACOBIAN_NUMBERS = 50_000_000
 
 Blocks = Iterator[tuple[torch.Tensor, torch.Tensor]]
+#: ``outputs (n, O) -> L (n, O, C)``, e.g. the factor ``H_n = L_n L_nᵀ`` of the output Hessian:
+#: a Jacobian block ``J_n P`` is then returned as ``L_nᵀ J_n P`` ``(n, C, K)``.
+Factor = Callable[[torch.Tensor], torch.Tensor] | None
+
+
+def weighted(blocks: Blocks, factor: Factor) -> Blocks:
+    """Blocks ``(outputs, J_n P (n, O, K))`` as ``(outputs, L_nᵀ J_n P (n, C, K))``."""
+    if factor is None:
+        yield from blocks
+        return
+    for out, jp in blocks:
+        yield out, torch.bmm(factor(out).transpose(1, 2).to(jp), jp)
 
 
 def as_2d(out: torch.Tensor) -> torch.Tensor:
@@ -80,14 +100,162 @@ def block_rows(fn: Callable, theta: torch.Tensor, x: torch.Tensor, chunk_size: i
     return min(rows, chunk_size) if chunk_size is not None else rows
 
 
+def linear_plan(flat: FlatNet, idx: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """Which selected weights sit in an ``nn.Linear`` (the fast path) and which do not.
+
+    Returns ``plan`` ``{layer name: (pos, i, j)}`` (``pos``: positions in ``idx``; ``i``: output
+    unit; ``j``: input unit, ``in_features`` for the bias; each ``(k_l,)`` long) and ``rest``
+    ``(K_r,)``, the positions of every other selected weight. A Linear whose parameters are
+    shared with another module goes to ``rest``.
+    """
+    owners: dict[int, int] = {}
+    for m in flat.net.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    params = dict(flat.net.named_parameters())
+    starts = torch.tensor([0, *flat.numels]).cumsum(0).tolist()
+    which = torch.searchsorted(torch.tensor(starts[1:]), idx.cpu(), right=True)
+    plan, rest = {}, []
+    for t in which.unique().tolist():
+        pos = (which == t).nonzero().squeeze(1)
+        local = idx.cpu()[pos] - starts[t]
+        layer, _, attr = flat.names[t].rpartition(".")
+        module = flat.net.get_submodule(layer) if layer else flat.net
+        if type(module) is not nn.Linear or owners[id(params[flat.names[t]])] != 1:
+            rest.append(pos)
+            continue
+        i, j = (local // module.in_features, local % module.in_features)
+        if attr == "bias":
+            i, j = local, torch.full_like(local, module.in_features)
+        old = plan.get(layer)
+        new = (pos, i, j)
+        plan[layer] = new if old is None else tuple(torch.cat(ab) for ab in zip(old, new))
+    rest_pos = torch.cat(rest) if rest else torch.zeros(0, dtype=torch.long)
+    return plan, rest_pos
+
+
+def linear_index_jacobians(
+    flat: FlatNet, plan: dict, w: torch.Tensor, x: torch.Tensor, factor: Factor = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(outputs (n, O), columns (K_lin, C, n))`` for the Linear-layer weights of ``plan``.
+
+    One forward pass at ``w`` with hooks that keep each planned layer's input ``a`` ``(n, in)``
+    and output ``z`` ``(n, out)``, one backward pass batched over the ``O`` output classes for
+    ``g = ∂f_c/∂z`` ``(O, n, out)``, then the products ``g[c, n, i] · a[n, j]`` (``g[c, n, i]``
+    for a bias). With a ``factor`` ``L`` ``(n, O, C)`` the backward pass seeds ``L[n, :, c]``
+    instead of the unit vectors, so ``L_nᵀ J_n`` comes out directly (``C`` classes). Columns
+    come in the order of ``torch.cat`` over the plan's ``pos``, column-major, so that the
+    transpose ``(K, C·n)`` of the GGN's ``A`` is a free reshape. Rows must not interact (eval
+    mode), as for every Jacobian here. Returns ``None`` when the fast path does not apply to
+    this forward (a layer called more or less than once, or inputs that are not ``(n, in)``);
+    the caller then takes the generic path.
+    """
+    seen: dict[str, list] = {name: [] for name in plan}
+
+    def hook(name: str):
+        def keep(module, inp, out):
+            seen[name].append((inp[0].detach(), out))
+            return out.clone()  # later in-place ops must not rebase the saved output
+
+        return keep
+
+    handles = [flat.net.get_submodule(n).register_forward_hook(hook(n)) for n in plan]
+    try:
+        with torch.enable_grad():
+            out = flat(w.detach().requires_grad_(True), x)
+    finally:
+        for h in handles:
+            h.remove()
+    if any(len(v) != 1 or v[0][0].dim() != 2 for v in seen.values()):
+        return None
+    out2 = as_2d(out)
+    n, o = out2.shape
+    zs = [seen[name][0][1] for name in plan]
+    if factor is None:
+        seeds = torch.eye(o, dtype=out2.dtype, device=out2.device)[:, None, :].expand(o, n, o)
+    else:
+        seeds = factor(out2.detach()).to(out2).permute(2, 0, 1)  # shape: (C, n, O)
+    try:  # one backward pass, batched over the output classes
+        grads = torch.autograd.grad(out2, zs, seeds, is_grads_batched=True, allow_unused=True)
+    except RuntimeError:  # an op without a batching rule: one backward pass per class
+        per_class = [
+            torch.autograd.grad(out2, zs, seed, retain_graph=True, allow_unused=True)
+            for seed in seeds
+        ]
+        grads = [None if g[0] is None else torch.stack(g) for g in zip(*per_class)]
+    cols = []
+    for (name, (_, i, j)), g in zip(plan.items(), grads):
+        a = seen[name][0][0]
+        if g is None:  # the layer does not reach the outputs
+            cols.append(out2.new_zeros(i.numel(), seeds.shape[0], n))
+            continue
+        i, j = i.to(g.device), j.to(g.device)
+        # Row gathers of contiguous rows (fast), not gathers along the last dimension.
+        a1 = torch.cat([a.T, torch.ones_like(a[:, 0])[None]])  # (in + 1, n); the bias row
+        g = g.permute(2, 0, 1).contiguous().index_select(0, i)  # shape: (k_l, C, n)
+        cols.append(g.mul_(a1.index_select(0, j)[:, None, :]))
+    jac = cols[0] if len(cols) == 1 else torch.cat(cols)
+    return out2.detach(), jac.detach()
+
+
 def index_jacobian_blocks(
+    flat: FlatNet,
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    chunk_size: int | None,
+    w: torch.Tensor,
+    factor: Factor = None,
+) -> Blocks:
+    """``(outputs (n, O), ∂f/∂w[idx] (n, O, K))`` per block (``L_nᵀ ∂f/∂w[idx]`` ``(n, C, K)``
+    with a `Factor`); Linear-layer columns come as a view of a column-major ``(K, C, n)`` tensor.
+
+    Selected weights of ``nn.Linear`` layers: output-gradient × input products
+    (`linear_index_jacobians`, ``O·K`` numbers per row). Any others: per-sample Jacobians
+    through only the parameter tensors that hold them (``D_t`` numbers), then indexed. Blocks
+    of at most ``min(chunk_size, MAX_JACOBIAN_NUMBERS // (O·(K + D_t)))`` rows.
+    """
+    idx = idx.to(w.device)
+    plan, rest = linear_plan(flat, idx)
+    if not plan:
+        yield from weighted(_generic_index_blocks(flat, x, idx, chunk_size, w), factor)
+        return
+    lin_pos = torch.cat([p for p, _, _ in plan.values()]).to(w.device)
+    rest = rest.to(w.device)
+    with eval_mode(flat.net):
+        generic = restricted_call(flat, w, idx[rest]) if rest.numel() else None
+        with torch.no_grad():
+            o = as_2d(flat(w, x[:1])).shape[1]
+        width = idx.numel() + (generic[0].numel() if generic else 0)
+        rows = max(1, MAX_JACOBIAN_NUMBERS // (o * width))
+        rows = min(rows, chunk_size) if chunk_size is not None else rows
+        in_order = generic is None and torch.equal(lin_pos, torch.arange(idx.numel()).to(lin_pos))
+        for start in range(0, x.shape[0], rows):
+            xc = x[start : start + rows]
+            fast = linear_index_jacobians(flat, plan, w, xc, factor)
+            if fast is None:  # this net's forward does not fit the fast path
+                rest_x = _generic_index_blocks(flat, x[start:], idx, chunk_size, w)
+                yield from weighted(rest_x, factor)
+                return
+            out, cols = fast  # shape: (k_lin, C, n)
+            if in_order:
+                yield out, cols.permute(2, 1, 0)
+                continue
+            jac = cols.new_empty(idx.numel(), *cols.shape[1:])
+            jac[lin_pos] = cols
+            if generic is not None:
+                theta, local, fn = generic
+                other = per_sample_jacobians(fn, theta, xc)[..., local].detach()
+                jac[rest] = next(weighted(iter([(out, other)]), factor))[1].permute(2, 1, 0)
+            yield out, jac.permute(2, 1, 0)
+
+
+def _generic_index_blocks(
     flat: FlatNet, x: torch.Tensor, idx: torch.Tensor, chunk_size: int | None, w: torch.Tensor
 ) -> Blocks:
-    """``(outputs (n, O), ∂f/∂w[idx] (n, O, K))`` per block: per-sample Jacobians through only
-    the parameter tensors that hold a selected weight (``D_t`` numbers), then indexed; blocks of
-    at most ``min(chunk_size, MAX_JACOBIAN_NUMBERS // (O·D_t))`` rows."""
+    """Per-sample Jacobians (``vmap`` of ``jacrev``) through only the parameter tensors that
+    hold a selected weight, then indexed; at most ``MAX_JACOBIAN_NUMBERS // (O·D_t)`` rows."""
     with eval_mode(flat.net):
-        theta, local, fn = restricted_call(flat, w, idx.to(w.device))
+        theta, local, fn = restricted_call(flat, w, idx)
         for xc in x.split(block_rows(fn, theta, x, chunk_size)):
             jac = per_sample_jacobians(fn, theta, xc)[..., local]  # shape: (n, O, K)
             with torch.no_grad():

@@ -19,6 +19,7 @@ from .ggn import (
     ggn_in_subspace,
     ggn_matrix_product,
     ggn_vector_product,
+    gram_from_blocks,
     output_hessian,
     subspace_jacobians,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "ggn_in_subspace",
     "ggn_matrix_product",
     "ggn_vector_product",
+    "gram_from_blocks",
     "lanczos_eigh",
     "output_hessian",
     "subspace_jacobians",

@@ -18,6 +18,7 @@ layers) fall back automatically to reverse-over-reverse products (`autodiff`).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 from torch import nn
@@ -25,10 +26,11 @@ from torch.func import jvp, vjp, vmap
 
 from .. import distributed
 from .._checks import positive_int
+from .._linalg import blas_threads
 from ..autodiff import jvp_any
 from ..data import DataSource
 from ..flat import FlatNet, eval_mode
-from ..jacobians import MAX_JACOBIAN_NUMBERS, as_2d, full_jacobian_blocks
+from ..jacobians import MAX_JACOBIAN_NUMBERS, as_2d, full_jacobian_blocks, weighted
 from ..likelihoods import Likelihood, check_likelihood
 from ..subspaces.base import Subspace
 from .output_hessian import hessian_factor, output_hessian
@@ -169,10 +171,11 @@ def ggn_in_subspace(
     Accumulated as ``Σ_n A_nᵀ A_n`` with ``A_n = L_nᵀ J_n P`` (``H_n = L_n L_nᵀ``), so the
     result is symmetric positive semi-definite by construction.
 
-    The blocks ``J_n P`` come from `subspace_jacobians`: ``K`` forward-mode passes per chunk
-    for a dense basis; for an index basis (a subnetwork) ``O`` backward passes per row through
-    only the parameter tensors that hold a selected weight. The full ``(N·O, D)`` Jacobian and
-    the dense ``(D, K)`` basis of a subnetwork are never formed.
+    The blocks ``L_nᵀ J_n P`` come from `subspace_jacobians`: ``K`` forward-mode passes per
+    chunk for a dense basis; for an index basis (a subnetwork) the selected columns of Linear
+    layers from one backward pass seeded with ``L_n`` (others: per-sample Jacobians through only
+    the parameter tensors that hold them). ``Σ AᵀA`` is one matrix multiply per block. The full
+    ``(N·O, D)`` Jacobian and the dense ``(D, K)`` basis of a subnetwork are never formed.
 
     Args:
         net, likelihood, x: as in `ggn_vector_product`.
@@ -184,11 +187,11 @@ def ggn_in_subspace(
     Returns:
         Shape ``(K, K)``, in ``w``'s dtype.
     """
-    _, w = _setup(net, likelihood, x, w, chunk_size)
-    total = None
+    flat, w = _setup(net, likelihood, x, w, chunk_size)
+    _check_subspace(subspace, w)
+    factor, total = partial(hessian_factor, likelihood), None
     for xs in _inputs(x, chunk_size):
-        blocks = subspace_jacobians(net, xs, subspace, chunk_size, w=w)
-        total = ggn_from_blocks(likelihood, blocks, False, total)
+        total = subspace.ggn_sum(flat, xs, w, chunk_size, factor, False, total)
     total = distributed.all_reduce_sum(total)
     return ((total + total.T) / 2).detach()
 
@@ -202,11 +205,72 @@ def ggn_from_blocks(
     """Accumulate ``Σ_n (L_nᵀ J_n P)ᵀ (L_nᵀ J_n P)`` (``(K, K)``, or its diagonal ``(K,)``)
     over blocks ``(outputs (n, O), J_n P (n, O, K))`` onto ``total`` (``None``: start at zero;
     returns ``None`` for no blocks). Positive semi-definite by construction."""
-    for out, jp in blocks:
-        a = torch.einsum("nok,noc->nck", jp, hessian_factor(likelihood, out))
-        part = a.square().sum((0, 1)) if diagonal else torch.einsum("nck,ncj->kj", a, a)
+    return gram_from_blocks(weighted(blocks, partial(hessian_factor, likelihood)), diagonal, total)
+
+
+def gram_from_blocks(
+    blocks: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    diagonal: bool = False,
+    total: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Accumulate ``Σ_n A_nᵀ A_n`` (``(K, K)``, or its diagonal ``(K,)``) over blocks
+    ``(outputs, A (n, C, K))`` onto ``total``: one matrix multiply ``Aᵀ A`` per block, ``A``
+    read as ``(n·C, K)`` in whichever row order its memory has (the sum does not depend on it)."""
+    upper = None  # a symmetric rank-k update (BLAS syrk) fills only the upper triangle
+    for _, a in blocks:
+        k = a.shape[-1]
+        if a.permute(2, 1, 0).is_contiguous():  # column-major blocks: Aᵀ is a free reshape
+            at = a.permute(2, 1, 0).reshape(k, -1)
+        else:
+            at = a.reshape(-1, k).T
+        if diagonal:
+            part = at.square().sum(1)
+            total = part if total is None else total + part
+        elif upper is not None or _syrk_ok(at):
+            upper = _syrk(at, upper)
+        else:
+            total = at @ at.T if total is None else total.addmm_(at, at.T)
+    if upper is not None:
+        part = torch.from_numpy(upper).to(at.device)
+        part = part + part.triu(1).T  # the full symmetric matrix from its upper triangle
         total = part if total is None else total + part
     return total
+
+
+#: Use BLAS ``syrk`` (half the multiplications of ``Aᵀ A``) through SciPy for CPU blocks.
+USE_SYRK = True
+
+
+def _syrk_ok(at: torch.Tensor) -> bool:
+    return (
+        USE_SYRK
+        and at.device.type == "cpu"
+        and at.dtype in (torch.float32, torch.float64)
+        and at.shape[0] >= 64
+        and _blas() is not None
+    )
+
+
+def _blas():
+    try:
+        import threadpoolctl  # noqa: F401
+        from scipy.linalg import blas
+    except ImportError:  # pragma: no cover - both come with scikit-learn
+        return None
+    return blas
+
+
+def _syrk(at: torch.Tensor, upper):
+    """``upper += (at atᵀ)`` on the upper triangle, ``at`` ``(K, rows)``; ``upper`` a
+    Fortran-ordered ``(K, K)`` NumPy array (``None``: start at zero). SciPy's BLAS runs with
+    torch's thread count."""
+    blas = _blas()
+    syrk = blas.ssyrk if at.dtype == torch.float32 else blas.dsyrk
+    a = at.detach().contiguous().numpy().T  # (rows, K), Fortran-ordered: no copy in the call
+    with blas_threads():
+        if upper is None:
+            return syrk(1.0, a, trans=1)
+        return syrk(1.0, a, beta=1.0, c=upper, trans=1, overwrite_c=1)
 
 
 def subspace_jacobians(
@@ -216,6 +280,7 @@ def subspace_jacobians(
     chunk_size: int | None = 1024,
     *,
     w: torch.Tensor | None = None,
+    factor=None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Blocks of outputs and subspace Jacobians ``J_n P``, never the full ``(N·O, D)`` Jacobian.
 
@@ -223,9 +288,12 @@ def subspace_jacobians(
 
     - dense basis: ``J_c P`` for a chunk of rows by ``vmap`` over the ``K`` basis columns of
       ``jvp``: memory ``chunk_size·K·(O + activations)``;
-    - index basis (a subnetwork): per-sample Jacobians (``vmap`` of ``jacrev``) with respect to
-      only the parameter tensors that hold a selected weight (``D_t`` numbers), then indexed:
-      blocks of at most ``min(chunk_size, MAX_JACOBIAN_NUMBERS // (O·D_t))`` rows;
+    - index basis (a subnetwork): for weights of ``nn.Linear`` layers, only the selected
+      columns, as products of the back-propagated output gradient at the layer's output and
+      its input (one forward and one backward pass batched over the ``O`` outputs); for any
+      other weights, per-sample Jacobians (``vmap`` of ``jacrev``) with respect to only the
+      parameter tensors that hold them (``D_t`` numbers), then indexed: blocks of at most
+      ``min(chunk_size, MAX_JACOBIAN_NUMBERS // (O·(K + D_t)))`` rows;
     - last layer: from the penultimate features in one forward pass, no differentiation.
 
     Args:
@@ -234,17 +302,23 @@ def subspace_jacobians(
         subspace: a `Subspace` of this network (``subspace.dim == D``); its shift is not used.
         chunk_size: rows per block (``None``: as many as the memory budget allows).
         w: flat weights ``(D,)``; default the network's current weights.
+        factor: optional ``outputs (n, O) -> L (n, O, C)``; the blocks then hold ``L_nᵀ J_n P``
+            ``(n, C, K)`` (with the output-Hessian factor: the rows of the GGN's ``A``).
 
     Yields:
         ``(outputs, jp)`` per block of ``n`` rows: ``outputs`` ``(n, O)`` at ``w`` and
         ``jp = ∂f/∂w · P`` of shape ``(n, O, K)``, both detached, in ``w``'s dtype.
     """
     flat, w = _setup(net, None, x, w, chunk_size)
+    _check_subspace(subspace, w)
+    return subspace.jacobian_blocks(flat, x, w, chunk_size, factor)
+
+
+def _check_subspace(subspace: object, w: torch.Tensor) -> None:
     if not isinstance(subspace, Subspace):
         raise TypeError(f"subspace: expected a Subspace, got {type(subspace).__name__}")
     if subspace.dim != w.numel():
         raise ValueError(f"subspace: has D={subspace.dim}, the network has {w.numel()} weights")
-    return subspace.jacobian_blocks(flat, x, w, chunk_size)
 
 
 def full_jacobians(

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..curvature import ggn_from_blocks
 from ..data import DataSource
 from ..flat import FlatNet, preserved
 
@@ -119,15 +118,16 @@ class Evaluator:
 
     def ggn(self, t: torch.Tensor, diagonal: bool = False, chunk_size: int | None = None):
         """``Pᵀ G P`` ``(K, K)`` (or its diagonal ``(K,)``) at ``w = ŵ + P t``, untempered,
-        float64, from the subspace's Jacobian blocks (Subnetwork Inference eqs. 9, 15)."""
+        float64, from the subspace's Jacobian blocks (Subnetwork Inference eqs. 9, 15),
+        weighted by the output-Hessian factor ``H_n = L_n L_nᵀ`` inside the Jacobian pass."""
         model = self.model
         w = model.subspace.weights(t).detach()
         flat = FlatNet(model.flat.net, batch_strategy="loop")
         chunk = chunk_size or self.data.chunk_size
         total = None
+        factor = model.likelihood.hessian_factor
         for xc in self.data.inputs():
-            blocks = model.subspace.jacobian_blocks(flat, xc, w, chunk)
-            total = ggn_from_blocks(model.likelihood, blocks, diagonal, total)
+            total = model.subspace.ggn_sum(flat, xc, w, chunk, factor, diagonal, total)
         total = self.data.reduce(total)
         if not diagonal:
             total = (total + total.T) / 2

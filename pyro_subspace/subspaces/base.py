@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..flat import FlatNet
-from ..jacobians import Blocks, dense_jacobian_blocks, index_jacobian_blocks
+from ..jacobians import Blocks, Factor, dense_jacobian_blocks, index_jacobian_blocks, weighted
 
 
 class Subspace(nn.Module):
@@ -161,12 +161,37 @@ class Subspace(nn.Module):
         return basis.T @ basis
 
     def jacobian_blocks(
-        self, flat: FlatNet, x: torch.Tensor, w: torch.Tensor, chunk_size: int | None = 1024
+        self,
+        flat: FlatNet,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        chunk_size: int | None = 1024,
+        factor: Factor = None,
     ) -> Blocks:
         """Blocks ``(outputs (n, O), J_n P (n, O, K))`` at the flat weights ``w`` ``(D,)``,
         detached, in ``w``'s dtype; never the full ``(N·O, D)`` Jacobian. ``chunk_size``
-        bounds the rows per block (``None``: the memory budget of `jacobians`)."""
+        bounds the rows per block (``None``: the memory budget of `jacobians`). With
+        ``factor`` (``outputs -> L (n, O, C)``, e.g. ``H_n = L_n L_nᵀ``) the blocks hold
+        ``L_nᵀ J_n P`` ``(n, C, K)`` instead, which the GGN needs."""
         raise NotImplementedError
+
+    def ggn_sum(
+        self,
+        flat: FlatNet,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        chunk_size: int | None,
+        factor: Factor,
+        diagonal: bool = False,
+        total: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """``total + Σ_n (J_n P)ᵀ H_n (J_n P)`` over the rows of ``x`` (``(K, K)``, or its
+        diagonal ``(K,)``; ``None`` for no rows), ``H_n = L_n L_nᵀ`` with ``L = factor(outputs)``
+        (Subnetwork Inference eqs. 9, 15): ``Σ AᵀA`` over the blocks ``A = L_nᵀ J_n P``."""
+        from ..curvature.ggn import gram_from_blocks
+
+        blocks = self.jacobian_blocks(flat, x, w, chunk_size, factor)
+        return gram_from_blocks(blocks, diagonal, total)
 
     def dense_basis(self) -> torch.Tensor:
         """The basis as a dense ``(D, K)`` matrix (materialises index selections: use sparingly)."""
@@ -212,9 +237,9 @@ class DenseSubspace(Subspace):
     def dense_basis(self) -> torch.Tensor:
         return self.basis
 
-    def jacobian_blocks(self, flat, x, w, chunk_size=1024) -> Blocks:
+    def jacobian_blocks(self, flat, x, w, chunk_size=1024, factor=None) -> Blocks:
         """``K`` forward-mode passes (``jvp``) per chunk of rows."""
-        return dense_jacobian_blocks(flat, x, self.basis, chunk_size, w)
+        return weighted(dense_jacobian_blocks(flat, x, self.basis, chunk_size, w), factor)
 
 
 class IndexSubspace(Subspace):
@@ -250,6 +275,7 @@ class IndexSubspace(Subspace):
         eye[self.basis, torch.arange(self.rank, device=self.basis.device)] = 1.0
         return eye
 
-    def jacobian_blocks(self, flat, x, w, chunk_size=1024) -> Blocks:
-        """Per-sample Jacobians through only the parameter tensors holding a selected weight."""
-        return index_jacobian_blocks(flat, x, self.basis, chunk_size, w)
+    def jacobian_blocks(self, flat, x, w, chunk_size=1024, factor=None) -> Blocks:
+        """Selected ``nn.Linear`` weights: output-gradient × input products; any others:
+        per-sample Jacobians through only the parameter tensors holding them."""
+        return index_jacobian_blocks(flat, x, self.basis, chunk_size, w, factor)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..flat import FlatNet, eval_mode
-from ..jacobians import Blocks, as_2d
+from ..jacobians import Blocks, as_2d, weighted
 from .base import IndexSubspace
 
 
@@ -94,8 +94,33 @@ class LastLayerSubspace(IndexSubspace):
         finally:
             handle.remove()
 
-    def jacobian_blocks(self, flat, x, w, chunk_size=1024) -> Blocks:
+    def jacobian_blocks(self, flat, x, w, chunk_size=1024, factor=None) -> Blocks:
         """``J_n P`` from the features: ``(J P)_{c, rows[c, p]} = φ̃_p``, zero elsewhere."""
+        return weighted(self._feature_jacobians(flat, x, w, chunk_size), factor)
+
+    def ggn_sum(self, flat, x, w, chunk_size, factor, diagonal=False, total=None):
+        """The closed form ``G_(c,p),(d,q) = Σ_n H_n[c, d] φ̃_np φ̃_nq`` (Kristiadi et al., 2020;
+        ``J`` is ``δ_cc' φ̃``): one ``(C²·P̃, n) × (n, P̃)`` product per chunk, ``C`` times fewer
+        multiplications than ``Σ AᵀA`` over ``A = L_nᵀ J_n P`` ``(n·C, C·P̃)``."""
+        c, p = self.rows.shape
+        g4 = None
+        for out, phi in self.feature_blocks(flat, x, w, chunk_size):
+            fac = factor(out).to(phi)
+            h = fac @ fac.mT  # shape: (n, C, C)
+            hphi = (h[:, :, :, None] * phi[:, None, None, :]).reshape(phi.shape[0], -1)
+            part = (hphi.T @ phi).reshape(c, c, p, p)  # [c, d, p, q]
+            g4 = part if g4 is None else g4 + part
+        if g4 is None:
+            return total
+        if diagonal:
+            part = g4.new_zeros(self.rank)
+            part[self.rows] = g4.diagonal(dim1=0, dim2=1).diagonal(dim1=0, dim2=1)
+        else:
+            part = g4.new_zeros(self.rank, self.rank)
+            part[self.rows[:, None, :, None], self.rows[None, :, None, :]] = g4
+        return part if total is None else total + part
+
+    def _feature_jacobians(self, flat, x, w, chunk_size) -> Blocks:
         c, k = self.rows.shape[0], self.rank
         for out, phi in self.feature_blocks(flat, x, w, chunk_size):
             jp = phi.new_zeros(out.shape[0], c, k)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._linalg import cholesky, logdet, precision_to_scale_tril
+from ..._linalg import cholesky, logdet, precision_to_scale_tril, tril_outer
 from .lowrank import LowRankStructure
 
 
@@ -64,7 +64,7 @@ class FullStructure:
 
     @staticmethod
     def covariance(factor: torch.Tensor) -> torch.Tensor:
-        return factor @ factor.T
+        return tril_outer(factor)
 
     @staticmethod
     def functional_covariance(jp: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
