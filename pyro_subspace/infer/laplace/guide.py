@@ -304,14 +304,35 @@ class AutoSubspaceLaplace(AutoContinuous):
             ggn = self.structure.scale_curvature(ggn, (sigma0 / sigma) ** 2)
             loglik = self._gaussian_loglik(sigma)
         s = self.structure
-        prior = s.prior_matrix(lam, self.model)
         d = self.loc - self.prior_loc
+        if s.name == "full" and lam.dim() == 0 and self.model.prior_gram.numel() == 0:
+            # Λ₀ = λI: log|cG/T + λI| = Σ_i log(c g_i/T + λ) from one eigendecomposition of the
+            # fitted G, so each evidence evaluation (and its gradient) costs O(K), not O(K³)
+            c = 1.0 if sigma is None else (sigma0 / sigma) ** 2
+            g = self._ggn_eigenvalues()
+            k = g.numel()
+            return (
+                loglik / self.temperature
+                - lam * d.square().sum() / 2
+                + (k * lam.log() - torch.log(c * g / self.temperature + lam).sum()) / 2
+            )
+        prior = s.prior_matrix(lam, self.model)
         post = s.precision(ggn, self.temperature, prior)
         return (
             loglik / self.temperature
             - s.quad(prior, d) / 2
             + (s.logdet(prior, "prior precision") - s.logdet(post, "posterior precision")) / 2
         )
+
+    def _ggn_eigenvalues(self) -> torch.Tensor:
+        """Eigenvalues ``(K,)`` of the fitted ``PᵀGP`` (clamped at 0: it is PSD up to rounding),
+        cached until the curvature buffer changes."""
+        key = (self.ggn.data_ptr(), self.ggn._version)
+        cached = self.__dict__.get("_eig_cache")
+        if cached is None or cached[0] != key:
+            g = torch.linalg.eigvalsh((self.ggn + self.ggn.T) / 2).clamp_min(0)
+            self.__dict__["_eig_cache"] = cached = (key, g)
+        return cached[1]
 
     def _scalar_sigma(self) -> float:
         if not self.likelihood.noise_scale_tunable:
