@@ -27,7 +27,8 @@ by Cauchy–Schwarz and ``aᵀΣa ≥ λ_min‖a‖²``. With Lemma 1's softmax 
 
 Without biases anywhere this is exactly the paper's Theorem 2 and holds for all ``δ ≥ α``
 (``|z_i|`` increases in ``δ``, its Lemma 4). With biases it is a statement about the limit: at
-finite ``δ`` the confidence may exceed it by ``O(1/δ)``; and inputs with ``a = 0`` (every
+finite ``δ`` the confidence may exceed it by ``O(1/δ)`` (``≈ 1.04/δ`` in the extremal example of
+`tests/test_mixture_laplace.py`, where the limit meets the bound to ``2·10⁻⁸``); and inputs with ``a = 0`` (every
 unit dead along ``x``) tend to a constant output the bound does not cover.
 
 Uniform bound (``kind="uniform"``). For *every* input, at any ``δ``: ``|m_i| ≤ ‖ν_i‖‖ψ‖`` and
@@ -125,8 +126,9 @@ def far_away_confidence_bound(mola, kind: str = "asymptotic") -> float:
     class.) ``mola``: a fitted last-layer `MixtureOfLaplace` / `LastLayerLaplace` with the
     default full covariance. Returns a float in ``[1/C, 1]``.
     """
+    terms_k = far_away_terms(mola, kind)  # checks its arguments first
     total = 0.0
-    for pi, terms in zip(mola.weights.tolist(), far_away_terms(mola, kind)):
+    for pi, terms in zip(mola.weights.tolist(), terms_k):
         b = terms["b"]
         c = b.shape[0]
         if c == 1:  # one logit (Bernoulli): max(p, 1 − p) ≤ sigmoid(b)
