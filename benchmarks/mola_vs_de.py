@@ -39,8 +39,8 @@ from pyro_subspace.infer import DeepEnsemble, LastLayerLaplace, MixtureOfLaplace
 from pyro_subspace.infer.mola_bound import far_away_confidence_bound, far_away_terms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
-from benchmarks.ood import digits_split_classes, ood_digits  # noqa: E402
-from benchmarks.ood_digits import make_net, mean_se, split_validation  # noqa: E402
+from benchmarks.ood import digits_split_classes, ood_digits
+from benchmarks.ood_digits import make_net, mean_se, split_validation
 
 METHODS = ("MAP", "DE", "LLLA", "MoLA", "MoLA-LL")
 OOD_SETS = ("noise", "permuted", "δ=10", "δ=100", "δ=1000", "classes 5-9")
@@ -130,7 +130,8 @@ def one_seed(args: argparse.Namespace, seed: int) -> dict:
             p_out = pred.predict(x_ood)
             row[f"mmc {key}"] = metrics.mmc(p_out)
             row[f"auroc {key}"] = metrics.ood_auroc(p_in, p_out)
-        p_in_h, p_out_h = preds_half[name].predict(half.x_test), preds_half[name].predict(x_half_ood)
+        p_in_h = preds_half[name].predict(half.x_test)
+        p_out_h = preds_half[name].predict(x_half_ood)
         row["mmc classes 5-9"] = metrics.mmc(p_out_h)
         row["auroc classes 5-9"] = metrics.ood_auroc(p_in_h, p_out_h)
         out[name] = row

@@ -311,7 +311,8 @@ def test_far_away_bound_with_biases_against_brute_force_and_the_limit(trained):
         asym = far_away_confidence_bound(method)
         uniform = far_away_confidence_bound(method, kind="uniform")
         assert 1 / 3 < asym <= uniform < 1
-        conf = {s: method.predict(s * d).max(-1).values for s in (0.1, 1.0, 1e1, 1e2, 1e4, 1e5, 1e6)}
+        scales = (0.1, 1.0, 1e1, 1e2, 1e4, 1e5, 1e6)
+        conf = {s: method.predict(s * d).max(-1).values for s in scales}
         for s, cf in conf.items():  # the uniform bound holds at every input
             assert (cf <= uniform + 1e-12).all(), (s, cf.max(), uniform)
         assert (method.predict(x).max(-1).values <= uniform + 1e-12).all()
