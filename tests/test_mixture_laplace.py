@@ -277,3 +277,115 @@ def test_fit_on_a_dataset_uses_its_training_split():
     a = LastLayerLaplace(net, lik).fit(data)
     b = LastLayerLaplace(net, lik).fit(data.x_train, data.y_train)
     assert torch.equal(a.predict(data.x_test[:5]), b.predict(data.x_test[:5]))
+
+
+def test_far_away_bound_with_biases_against_brute_force_and_the_limit(trained):
+    """Biases everywhere (the default nn.Linear): the asymptotic bound (weight blocks) against
+    the probit confidence at δ·x along 200 random directions, the uniform bound (augmented rows)
+    at every δ, the b_i against the dense closed-form LLLA, and the limit z_i(δx) →
+    μ_iᵀa / √(π/8 aᵀΣ_(i)a) with a the bias-free feature map (the bias row drops out)."""
+    from pyro_subspace.infer.mola_bound import far_away_terms
+
+    x, y, nets = trained
+    lik, lam = likelihoods.Categorical(), 0.6
+    mola = MixtureOfLaplace(nets, lik, prior_precision=lam).fit(x, y)
+    llla = LastLayerLaplace(nets[0], lik, prior_precision=lam).fit(x, y)
+    # b_i by hand from the dense Hessian (weights row-major, then the bias)
+    cov, _ = _closed_form_llla(nets[0], x, y, lam, x[:1])
+    c, p = nets[0][-1].weight.shape
+    w = nets[0][-1].weight.detach().double()
+    theta = torch.cat([w, nets[0][-1].bias.detach().double()[:, None]], 1)
+    idx = [list(range(i * p, i * p + p)) for i in range(c)]
+    b_w = [w[i].norm() / (math.pi / 8 * torch.linalg.eigvalsh(cov[idx[i]][:, idx[i]])[0]).sqrt()
+           for i in range(c)]  # fmt: skip
+    aug = [idx[i] + [c * p + i] for i in range(c)]
+    b_aug = [theta[i].norm() / (math.pi / 8 * torch.linalg.eigvalsh(cov[aug[i]][:, aug[i]])[0]).sqrt()
+             for i in range(c)]  # fmt: skip
+    # cov is the inverse of a float64 Hessian, the guide's a Cholesky of the same: rel 1e-6
+    assert far_away_terms(llla)[0]["b"] == pytest.approx(torch.stack(b_w), rel=1e-6)
+    assert far_away_terms(llla, "uniform")[0]["b"] == pytest.approx(torch.stack(b_aug), rel=1e-6)
+    gen = torch.Generator().manual_seed(3)
+    d = torch.randn(200, 2, generator=gen)
+    d = d / d.norm(dim=1, keepdim=True)
+    for method in (mola, llla):
+        asym = far_away_confidence_bound(method)
+        uniform = far_away_confidence_bound(method, kind="uniform")
+        assert 1 / 3 < asym <= uniform < 1
+        scales = (0.1, 1.0, 1e1, 1e2, 1e4, 1e5, 1e6)
+        conf = {s: method.predict(s * d).max(-1).values for s in scales}
+        for s, cf in conf.items():  # the uniform bound holds at every input
+            assert (cf <= uniform + 1e-12).all(), (s, cf.max(), uniform)
+        assert (method.predict(x).max(-1).values <= uniform + 1e-12).all()
+        # the asymptotic one in the limit: conf(δ) − conf(∞) = O(1/δ), so conf(∞) is within
+        # 10·|conf(1e6) − conf(1e5)| (+ float32 features: 1e-6) of conf(1e6)
+        slack = 10 * (conf[1e6] - conf[1e5]).abs() + 1e-6
+        assert (conf[1e6] <= asym + slack).all(), (conf[1e6].max(), asym)
+    # the limit itself, for LLLA: a = φ(x) of the network with every hidden bias zeroed (ReLU)
+    feat = nn.Sequential(*[nn.Linear(m.in_features, m.out_features, bias=False)
+                           if isinstance(m, nn.Linear) else m for m in nets[0][:-1]])  # fmt: skip
+    for m, src in zip(feat, nets[0][:-1]):
+        if isinstance(m, nn.Linear):
+            m.weight.data.copy_(src.weight.data)
+    with torch.no_grad():
+        a = feat(d).double()  # (200, P)
+    blocks = torch.stack([cov[idx[i]][:, idx[i]] for i in range(c)])
+    z_inf = (a @ w.T) / (math.pi / 8 * torch.einsum("np,cpq,nq->nc", a, blocks, a)).sqrt()
+    conf_inf = z_inf.softmax(-1).max(-1).values
+    live = a.norm(dim=1) > 1e-3  # a = 0: a constant output, outside the asymptotic statement
+    assert live.sum() > 150
+    assert conf[1e6][live] == pytest.approx(conf_inf[live], abs=1e-4)
+    assert (conf_inf[live] <= far_away_confidence_bound(llla) + 1e-12).all()
+
+
+def test_far_away_bound_is_attained_where_the_direction_is_extremal():
+    """A net built so that the bound is reached: features φ = ReLU(x + β), rows μ_2 = −μ_1 ∥ e1,
+    tiny data so Σ ≈ λ⁻¹I. Along x = e1, a = e1 ∥ μ_1 and the limit z_1 = −z_2 lies between
+    b_i √(λ/(λ + g)) and b_i (g ≥ λ_max of the GGN: ½ Σ_n ‖ψ_n‖² by Gershgorin on the softmax
+    Hessian); along e2 (a ⟂ μ) the confidence tends to 1/2."""
+    from pyro_subspace.infer.mola_bound import far_away_terms
+
+    net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    with torch.no_grad():
+        net[0].weight.copy_(torch.eye(2)), net[0].bias.copy_(torch.tensor([0.3, -0.2]))
+        net[2].weight.copy_(torch.tensor([[0.02, 0.0], [-0.02, 0.0]]))
+        net[2].bias.copy_(torch.tensor([0.1, -0.1]))
+    gen = torch.Generator().manual_seed(0)
+    x = 0.1 * torch.randn(10, 2, generator=gen)
+    y = torch.arange(10) % 2
+    lam = 1000.0
+    llla = LastLayerLaplace(net, likelihoods.Categorical(), prior_precision=lam).fit(x, y)
+    with torch.no_grad():
+        psi = torch.cat([net[:-1](x), torch.ones(10, 1)], 1).double()
+    g = 0.5 * float(psi.square().sum())
+    b = far_away_terms(llla)[0]["b"]
+    bound = far_away_confidence_bound(llla)
+    assert bound == pytest.approx(1 / (1 + math.exp(-float(b.sum()))), rel=1e-12)
+    lower = 1 / (1 + math.exp(-float(b.sum()) * math.sqrt(lam / (lam + g))))
+    assert 0.8 < lower < bound < 0.9
+    # with biases the bound is a limit: the excess over it decays like 1/δ (here ≈ 1.04/δ)
+    e1 = torch.tensor([[1.0, 0.0]])
+    excess = {s: float(llla.predict(s * e1).max()) - bound for s in (1e4, 1e5, 1e6, 1e8)}
+    assert excess[1e4] > 0 and excess[1e5] * 1e5 == pytest.approx(excess[1e4] * 1e4, rel=0.05)
+    assert excess[1e6] * 1e6 == pytest.approx(excess[1e5] * 1e5, rel=0.05)
+    # at δ = 1e8: 1/δ and float32 features (rel 1e-7 on z ≈ 1) leave < 1e-7
+    assert lower - 1e-7 <= bound + excess[1e8] <= bound + 1e-7
+    conf_e2 = llla.predict(1e6 * torch.tensor([[0.0, 1.0]])).max()
+    assert float(conf_e2) == pytest.approx(0.5, abs=1e-4)
+
+
+def test_far_away_bound_rejects_what_it_does_not_cover(trained):
+    x, y, nets = trained
+    lik = likelihoods.Categorical()
+    mola = MixtureOfLaplace(nets[:1], lik, prior_precision=0.6)
+    with pytest.raises(RuntimeError, match="fit"):
+        far_away_confidence_bound(mola)
+    mola.fit(x, y)
+    with pytest.raises(ValueError, match="kind"):
+        far_away_confidence_bound(mola, kind="tight")
+    with pytest.raises(TypeError, match="mola"):
+        far_away_confidence_bound(nets[0])
+    from pyro_subspace.subspaces import subnetwork
+
+    other = MixtureOfLaplace(nets[:1], lik, subset=lambda n: subnetwork(n, 5, "magnitude"))
+    with pytest.raises(ValueError, match="last_layer"):
+        far_away_confidence_bound(other.fit(x, y))

@@ -38,7 +38,7 @@ from ..curvature import subspace_jacobians
 from ..flat import eval_mode
 from ..likelihoods import Likelihood, check_temperature
 from ..nn import SubspaceNet
-from ..subspaces import Subspace, find_last_layer, subnetwork
+from ..subspaces import Subspace, subnetwork
 from .ensembles import (
     MixturePredictor,
     _check_likelihoods,
@@ -47,6 +47,7 @@ from .ensembles import (
     member_predictives,
 )
 from .laplace import AutoSubspaceLaplace, check_grid, linearized_moments
+from .mola_bound import far_away_confidence_bound  # re-exported (B.1, with biases)
 
 __all__ = ["LastLayerLaplace", "MixtureOfLaplace", "far_away_confidence_bound"]
 
@@ -434,42 +435,3 @@ def _stack(comps: list) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if isinstance(comps[0], tuple):
         return torch.stack([c[0] for c in comps]), torch.stack([c[1] for c in comps])
     return torch.stack(comps)
-
-
-def far_away_confidence_bound(mola: MixtureOfLaplace) -> float:
-    """The asymptotic confidence bound of MoLA Theorem 2 (Lemma 1 for ``K = 1``), section B.1.
-
-    For a fitted last-layer MoLA whose last layer has no bias, as ``δ → ∞``:
-
-        max_c p_MoLA(y = c | δx) ≤ Σ_k π^(k) max_c 1 / (1 + Σ_{i≠c} exp(−(b_i^(k) + b_c^(k)))),
-        b_i^(k) = ‖μ_(i)^(k)‖ / √(π/8 · λ_min(Σ_(i)^(k))),
-
-    with ``μ_(i)``, ``Σ_(i)`` the posterior mean and covariance of row ``i`` of the last weight
-    matrix. (The paper states it for the predicted class ``c_*``; the max over ``c`` is a
-    bound for any class.) Returns the bound, a float in ``[1/C, 1]``.
-    """
-    mola._check_fitted()
-    total = 0.0
-    for pi, (model, guide) in zip(mola.weights.tolist(), mola.members):
-        _, last = find_last_layer(model.flat.net)
-        params = list(last.parameters(recurse=False))
-        if len(params) != 1 or params[0].dim() != 2:
-            raise ValueError(
-                "mola: the bound of MoLA B.1 needs a last layer with a weight matrix and no bias"
-            )
-        c, p = params[0].shape
-        sub = model.subspace
-        if sub.kind != "last_layer" or sub.rank != c * p:
-            raise ValueError(
-                "mola: the bound needs subset='last_layer' (the last weight matrix only)"
-            )
-        mu = (sub.shift[sub.basis].double() + guide.loc).reshape(c, p)
-        cov = guide.covariance
-        b = torch.stack([
-            mu[i].norm() / (math.pi / 8 * torch.linalg.eigvalsh(cov[i * p : (i + 1) * p, i * p : (i + 1) * p])[0]).sqrt()
-            for i in range(c)
-        ])  # fmt: skip
-        pair = b[:, None] + b[None, :]
-        off = torch.exp(-pair) * (1 - torch.eye(c, dtype=b.dtype))
-        total += pi * float((1 / (1 + off.sum(1))).max())
-    return total
