@@ -19,16 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from . import distributed
 
-from ._checks import positive_int
-
-
-def all_finite(x: torch.Tensor) -> bool:
-    """``torch.isfinite(x).all()`` computed block by block (about 2¹⁶ entries each), so that
-    checking a large data set needs memory of one block, not temporaries of the size of ``x``."""
-    if not x.is_floating_point() and not x.is_complex():
-        return True
-    rows = max(1, 2**16 // max(1, x[:1].numel()))
-    return all(bool(torch.isfinite(block).all()) for block in x.split(rows))
+from ._checks import all_finite, positive_int  # all_finite: re-exported
 
 
 class DataSource:

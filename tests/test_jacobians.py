@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-import pyro_subspace.curvature.ggn as ggn_module
+import pyro_subspace.gram as gram_module
 import pyro_subspace.jacobians as jacobians
 from pyro_subspace import likelihoods
 from pyro_subspace.curvature import ggn_in_subspace, output_hessian
@@ -102,7 +102,7 @@ def test_selected_columns_equal_the_dense_jacobian(name, selection):
 @pytest.mark.parametrize("syrk", [True, False])
 def test_subnetwork_ggn_equals_dense_sum(name, syrk, monkeypatch):
     """``Pᵀ G P`` of a subnetwork = ``Σ_n J_n[:, idx]ᵀ H_n J_n[:, idx]`` (Categorical ``H``)."""
-    monkeypatch.setattr(ggn_module, "USE_SYRK", syrk)
+    monkeypatch.setattr(gram_module, "USE_SYRK", syrk)
     net, flat, w, x, gen = setup(name)
     idx = torch.randperm(flat.num_weights, generator=gen)[:70].sort().values
     lik = likelihoods.Categorical()
@@ -131,7 +131,7 @@ def test_last_layer_closed_form_ggn_equals_the_generic_sum(lik, bias):
     index = Subspace(w, last.basis)
     for diagonal in (False, True):
         got = last.ggn_sum(flat, x, w, 4, lik.hessian_factor, diagonal)
-        want = ggn_module.gram_from_blocks(
+        want = gram_module.gram_from_blocks(
             index.jacobian_blocks(flat, x, w, 4, lik.hessian_factor), diagonal
         )
         assert got.shape == want.shape

@@ -9,11 +9,8 @@ from torch import nn
 from pyro_subspace import FlatNet, likelihoods
 from pyro_subspace.infer.ensembles import train_ensemble
 from pyro_subspace.infer.laplace import linearized_moments
-from pyro_subspace.infer.mixture_laplace import (
-    LastLayerLaplace,
-    MixtureOfLaplace,
-    far_away_confidence_bound,
-)
+from pyro_subspace.infer.mixture_laplace import LastLayerLaplace, MixtureOfLaplace
+from pyro_subspace.infer.mola_bound import far_away_confidence_bound
 
 
 def _blobs(n=60, seed=0):

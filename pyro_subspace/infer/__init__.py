@@ -11,7 +11,8 @@ from .laplace import (
     linearized_predictive,
     probit,
 )
-from .mixture_laplace import LastLayerLaplace, MixtureOfLaplace, far_away_confidence_bound
+from .mixture_laplace import LastLayerLaplace, MixtureOfLaplace
+from .mola_bound import far_away_confidence_bound
 from .swag import SWAG, MultiSWAG
 
 __all__ = [

@@ -47,9 +47,8 @@ from .ensembles import (
     member_predictives,
 )
 from .laplace import AutoSubspaceLaplace, check_grid, linearized_moments
-from .mola_bound import far_away_confidence_bound  # re-exported (B.1, with biases)
 
-__all__ = ["LastLayerLaplace", "MixtureOfLaplace", "far_away_confidence_bound"]
+__all__ = ["LastLayerLaplace", "MixtureOfLaplace"]
 
 WEIGHTS = ("uniform", "evidence")
 METHODS = ("auto", "probit", "mc", "closed_form", "sample")

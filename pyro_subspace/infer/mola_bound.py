@@ -57,6 +57,8 @@ import math
 
 import torch
 
+from .mixture_laplace import MixtureOfLaplace
+
 __all__ = ["far_away_confidence_bound", "far_away_terms"]
 
 KINDS = ("asymptotic", "uniform")
@@ -86,8 +88,6 @@ def far_away_terms(mola, kind: str = "asymptotic") -> list[dict[str, torch.Tenso
     ``b`` ``(C,)`` float64 each (see the module docstring)."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
-    from .mixture_laplace import MixtureOfLaplace  # here: that module re-exports this one
-
     if not isinstance(mola, MixtureOfLaplace):
         raise TypeError(
             f"mola: expected a fitted MixtureOfLaplace or LastLayerLaplace, got "

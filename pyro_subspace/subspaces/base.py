@@ -23,7 +23,9 @@ import torch
 from torch import nn
 
 from ..flat import FlatNet
+from ..gram import gram_from_blocks
 from ..jacobians import Blocks, Factor, dense_jacobian_blocks, index_jacobian_blocks, weighted
+
 
 
 class Subspace(nn.Module):
@@ -188,8 +190,6 @@ class Subspace(nn.Module):
         """``total + Σ_n (J_n P)ᵀ H_n (J_n P)`` over the rows of ``x`` (``(K, K)``, or its
         diagonal ``(K,)``; ``None`` for no rows), ``H_n = L_n L_nᵀ`` with ``L = factor(outputs)``
         (Subnetwork Inference eqs. 9, 15): ``Σ AᵀA`` over the blocks ``A = L_nᵀ J_n P``."""
-        from ..curvature.ggn import gram_from_blocks
-
         blocks = self.jacobian_blocks(flat, x, w, chunk_size, factor)
         return gram_from_blocks(blocks, diagonal, total)
 

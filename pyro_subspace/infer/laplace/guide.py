@@ -22,10 +22,11 @@ import torch
 from pyro.infer.autoguide import AutoContinuous, AutoGuide
 
 from ... import _checks as ck
-from ...exceptions import ConvergenceWarning
 from ...data import DataSource
+from ...exceptions import ConvergenceWarning
 from ...nn import SubspaceNet
 from ...nn.evaluator import Evaluator
+from .predictive import linearized_predictive
 from .structures import make_structure
 
 PRIOR_MEANS = ("shift", "zero")
@@ -277,8 +278,6 @@ class AutoSubspaceLaplace(AutoContinuous):
 
     def predict(self, x: torch.Tensor, link_approx: str = "auto", **kwargs: object):
         """The linearised predictive as a ``torch.distributions`` object (`linearized_predictive`)."""
-        from .predictive import linearized_predictive
-
         return linearized_predictive(self, x, link_approx, **kwargs)
 
     # ------------------------------------------------------------------ hyperparameters

@@ -7,15 +7,20 @@ distribution (closed form, probit or Monte Carlo: `Likelihood.predictive_from_mo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ... import _checks as ck
 from ...flat import FlatNet
-from .guide import AutoSubspaceLaplace
+
+if TYPE_CHECKING:  # the guide imports this module (its `predict`)
+    from .guide import AutoSubspaceLaplace
 
 
 def _check_guide(guide: object) -> None:
-    if not isinstance(guide, AutoSubspaceLaplace):
+    # a Laplace guide: fitted state (`_check_fitted`) and a posterior structure
+    if not (callable(getattr(guide, "_check_fitted", None)) and hasattr(guide, "structure")):
         raise TypeError(
             f"guide: expected an AutoSubspaceLaplace (e.g. from infer.Laplace), "
             f"got {type(guide).__name__}"
