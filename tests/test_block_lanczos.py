@@ -116,3 +116,22 @@ def test_block_lanczos_validation():
     net, lik, x = make_problem("gaussian_1")
     with pytest.raises(ValueError, match="v: expected shape"):
         ggn_matrix_product(net, lik, x, torch.zeros(3, 2, dtype=torch.float64))
+
+
+def test_block_product_streams_a_dataset_like_tensors():
+    """``G V`` over a ``TensorDataset`` (streamed chunks) equals the in-memory product."""
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from pyro_subspace import likelihoods
+    from pyro_subspace.curvature import ggn_matrix_product
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    x = torch.randn(25, 3, dtype=torch.float64)
+    d = sum(p.numel() for p in net.parameters())
+    v = torch.randn(d, 3, dtype=torch.float64)
+    lik = likelihoods.Categorical()
+    want = ggn_matrix_product(net, lik, x, v, chunk_size=7)
+    got = ggn_matrix_product(net, lik, TensorDataset(x, torch.zeros(25)), v, chunk_size=7)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)

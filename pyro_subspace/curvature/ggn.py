@@ -142,7 +142,7 @@ def ggn_matrix_product(
     tangents = v.detach().to(w).T.contiguous()  # (b, D)
     total = torch.zeros_like(tangents)
     with eval_mode(net):
-        for xc in x.split(chunk_size):
+        for xc in (c for xs in _inputs(x, chunk_size) for c in xs.split(chunk_size)):
 
             def f(wv: torch.Tensor, xc: torch.Tensor = xc) -> torch.Tensor:
                 return flat(wv, xc)
@@ -154,7 +154,7 @@ def ggn_matrix_product(
                 "nop,bnp->bno", output_hessian(likelihood, out2), jv.reshape(-1, *out2.shape)
             )
             total += vmap(lambda c: pullback(c)[0])(hjv.reshape(jv.shape))
-    return total.T.detach()
+    return distributed.all_reduce_sum(total.T.detach())  # summed over ranks' shards
 
 
 def ggn_in_subspace(
