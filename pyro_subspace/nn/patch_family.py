@@ -38,7 +38,13 @@ weights and data is unchanged), and ``Trace_ELBO`` on it computes
 (dropout/DropConnect weights: ``τ(1−p)/2 ‖M‖²``, eq. 2 with ``p_i1 = 1−p``), with
 ``KL(q(z)‖p(z)) = 0`` and ``C = Σ_weights ½(τσ² − 1 − log τσ²)``; the mixture entropy is
 replaced by the average component entropy, the approximation of eqs. (13)–(16) (exact for the
-augmented model). Given ``z``, the weights are reparameterised (``Normal.rsample``), so gradients
+augmented model). Nothing in this objective keeps the components apart: with ``σ → 0`` the
+mixture entropy is ``log K`` per assignment however close the components are, so they differ only
+by their random initialisation (`initial_means`) and what training leaves of it; the expected-NLL
+term, averaged over random assignments, pulls them together (``benchmarks/patches_overconfident.py``
+measures the spread). In ``ensemble`` mode one ``z`` per step selects one member (``S = 1``,
+appendix B.4), so at equal epochs each member gets ``1/K`` of the updates of an independently
+trained deep-ensemble member. Given ``z``, the weights are reparameterised (``Normal.rsample``), so gradients
 reach the means ``M_k`` by the pathwise derivative. The score-function term Pyro adds for the
 non-reparameterisable ``z`` is ``∇ log q(z) · cost = 0``: ``q(z)`` has no parameters. So SVI's
 gradient is exactly the one of Algorithm 1 (``S = 1`` draw per step, appendix B.4).
