@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from .lanczos import _check_int, _fix_signs
+from .lanczos import _check_int, _fix_signs, checked_operator
 
 
 def block_lanczos_eigh(
@@ -85,15 +85,7 @@ def block_lanczos_eigh(
     device = torch.device("cpu" if device is None else device)
     gen = torch.Generator().manual_seed(seed)
 
-    def apply(v: torch.Tensor) -> torch.Tensor:
-        out = matmat(v)
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(v.shape):
-            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ValueError(f"matmat: must return shape {tuple(v.shape)}, got {got}")
-        out = out.detach().to(dtype=dtype, device=device)
-        if not torch.isfinite(out).all():
-            raise ValueError("matmat: returned NaN or inf")
-        return out
+    apply = checked_operator(matmat, "matmat", dtype, device)
 
     def orthonormal_block(r: torch.Tensor, basis: torch.Tensor, scale: float) -> torch.Tensor:
         """Orthonormal columns spanning ``r`` minus its part in ``basis``; columns that vanish

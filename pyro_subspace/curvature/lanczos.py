@@ -95,15 +95,7 @@ def lanczos_eigh(
     device = torch.device("cpu" if device is None else device)
     gen = torch.Generator().manual_seed(seed)
 
-    def apply(v: torch.Tensor) -> torch.Tensor:
-        out = matvec(v)
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (dim,):
-            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ValueError(f"matvec: must return shape ({dim},) for input ({dim},), got {got}")
-        out = out.detach().to(dtype=dtype, device=device)
-        if not torch.isfinite(out).all():
-            raise ValueError("matvec: returned NaN or inf")
-        return out
+    apply = checked_operator(matvec, "matvec", dtype, device)
 
     def start_vector(basis: torch.Tensor) -> torch.Tensor:
         q = torch.randn(dim, generator=gen, dtype=dtype).to(device)
@@ -152,6 +144,27 @@ def lanczos_eigh(
     values, vectors = torch.linalg.eigh(torch.block_diag(*tridiagonals))
     order = values.argsort(descending=True)[:k]
     return values[order] * scale, _fix_signs(basis @ vectors[:, order])
+
+
+def checked_operator(
+    op: Callable[[torch.Tensor], torch.Tensor], name: str, dtype: torch.dtype, device
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``v ↦ op(v)`` detached and cast to ``dtype``/``device``, with a ``ValueError`` naming
+    ``name`` if the result is not a tensor of ``v``'s shape or is not finite."""
+
+    def apply(v: torch.Tensor) -> torch.Tensor:
+        out = op(v)
+        if not isinstance(out, torch.Tensor) or out.shape != v.shape:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(
+                f"{name}: must return shape {tuple(v.shape)} for input {tuple(v.shape)}, got {got}"
+            )
+        out = out.detach().to(dtype=dtype, device=device)
+        if not torch.isfinite(out).all():
+            raise ValueError(f"{name}: returned NaN or inf")
+        return out
+
+    return apply
 
 
 def _fix_signs(vectors: torch.Tensor) -> torch.Tensor:
