@@ -10,6 +10,7 @@ Tolerance: the package works in float32 (eps 6e-8); a few hundred rounded operat
 entry give relative errors near 1e-5, so ``1e-4 · max|reference|`` is used throughout.
 """
 
+import math
 import pytest
 import torch
 from pyro.infer import MCMC
@@ -172,4 +173,12 @@ def test_patched_net_draws_match_a_loop(name):
         looped = [model.outputs({k: v[i] for k, v in weights.items()}, x) for i in range(3)]
     looped = torch.stack(looped)
     close(batched, looped.double(), "PatchedNet outputs")
-    model.fit(x, y, epochs=1, batch_size=N)
+    # one full-batch epoch = one Adam step: every mean moves by at most lr (Adam's first step is
+    # lr·g/(|g| + eps) per coordinate), and the ones with a gradient move by about lr
+    before = {k: v.detach().clone() for k, v in model.means().items()}
+    hist = model.fit(x, y, epochs=1, batch_size=N, lr=1e-3)
+    assert len(hist) == 1 and math.isfinite(hist[0])
+    moved = torch.cat([(v.detach() - before[k]).abs().flatten() for k, v in model.means().items()])
+    # float32: θ + Δ and its difference round by up to 2 eps·|θ|
+    slack = 2 * torch.finfo(torch.float32).eps * max(float(v.abs().max()) for v in before.values())
+    assert 0.9e-3 < float(moved.max()) <= 1e-3 + slack
