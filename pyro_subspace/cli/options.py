@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -50,37 +51,26 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def positive_float(text: str) -> float:
-    """An argparse ``type``: a finite number ``> 0``."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
+def _float_type(name: str, ok: Callable[[float], bool], what: str) -> Callable[[str], float]:
+    """An argparse ``type``: a number for which ``ok`` holds (NaN and text never do)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    parse.__name__ = parse.__qualname__ = name
+    parse.__doc__ = f"An argparse ``type``: {what}."
+    return parse
 
 
-def nonneg_float(text: str) -> float:
-    """An argparse ``type``: a finite number ``>= 0``."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
-def probability(text: str) -> float:
-    """An argparse ``type``: a number in the open interval (0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
-    return value
+positive_float = _float_type("positive_float", lambda v: 0 < v < math.inf, "a number > 0")
+nonneg_float = _float_type("nonneg_float", lambda v: 0 <= v < math.inf, "a number >= 0")
+probability = _float_type("probability", lambda v: 0 < v < 1, "a number in (0, 1)")
 
 
 def number_or(word: str, kind: Callable[[str], object], what: str) -> Callable[[str], object]:
