@@ -39,7 +39,7 @@ from pyro_subspace.infer import DeepEnsemble, LastLayerLaplace, MixtureOfLaplace
 from pyro_subspace.infer.mola_bound import far_away_confidence_bound, far_away_terms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
-from benchmarks.ood import digits_split_classes, ood_digits
+from benchmarks.ood import digits_split_classes, ood_digits, ood_sets
 from benchmarks.ood_digits import make_net, mean_se, split_validation
 
 METHODS = ("MAP", "DE", "LLLA", "MoLA", "MoLA-LL")
@@ -108,11 +108,7 @@ def bound_report(method, x_test: torch.Tensor) -> dict:
 def one_seed(args: argparse.Namespace, seed: int) -> dict:
     torch.manual_seed(seed)
     data = datasets.digits(seed=seed)
-    ood = {
-        "noise": ood_digits(data, "noise", seed=seed),
-        "permuted": ood_digits(data, "permuted", seed=seed),
-        **{f"δ={d}": ood_digits(data, "scaled", delta=d) for d in (10, 100, 1000)},
-    }
+    ood = ood_sets(data, seed)
     preds, lams = build(data, args, seed)
     half, x_half_ood = digits_split_classes(seed=seed)
     preds_half, _ = build(half, args, seed)

@@ -125,6 +125,16 @@ def ood_digits(data: Dataset, kind: str, seed: int = 0, delta: float | None = No
     return _standardize_like(data, raw).to(torch.float32)
 
 
+def ood_sets(data: Dataset, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The far-from-data sets of the OOD protocol: Gaussian noise, permuted pixels and the test
+    digits scaled by δ ∈ {10, 100, 1000} (MoLA section 5's "far away" inputs)."""
+    return {
+        "noise": ood_digits(data, "noise", seed=seed),
+        "permuted": ood_digits(data, "permuted", seed=seed),
+        **{f"δ={d}": ood_digits(data, "scaled", delta=d) for d in (10, 100, 1000)},
+    }
+
+
 def digits_split_classes(
     seed: int = 0,
     in_classes: Sequence[int] = (0, 1, 2, 3, 4),

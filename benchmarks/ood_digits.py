@@ -53,7 +53,7 @@ from pyro_subspace.infer import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
-from benchmarks.ood import digits_split_classes, ood_digits, rotated_digits  # noqa: E402
+from benchmarks.ood import digits_split_classes, ood_sets, rotated_digits  # noqa: E402
 
 SWA_LRS = (0.1, 0.05, 0.01, 0.005, 0.001)  # MoLA App. F's grid for SWAG, largest first
 METHODS = ("MAP", "DE", "SWAG", "MultiSWAG", "LLLA", "MoLA")
@@ -151,11 +151,7 @@ def build(data: datasets.Dataset, args: argparse.Namespace, seed: int) -> tuple[
 def one_seed(args: argparse.Namespace, seed: int) -> dict:
     torch.manual_seed(seed)
     data = datasets.digits(seed=seed)
-    ood = {
-        "noise": ood_digits(data, "noise", seed=seed),
-        "permuted": ood_digits(data, "permuted", seed=seed),
-        **{f"δ={d}": ood_digits(data, "scaled", delta=d) for d in (10, 100, 1000)},
-    }
+    ood = ood_sets(data, seed)
     rotated = {a: rotated_digits(data, a) for a in args.angles}
     predictors, lams = build(data, args, seed)
     half, x_half_ood = digits_split_classes(seed=seed)
