@@ -22,12 +22,12 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.func import jvp, vjp, vmap
+from torch.func import vjp, vmap
 
 from .. import distributed
 from .._checks import positive_int
 from ..gram import gram_from_blocks
-from ..autodiff import jvp_any
+from ..autodiff import jvp_any, jvps
 from ..data import DataSource
 from ..flat import FlatNet, eval_mode
 from ..jacobians import MAX_JACOBIAN_NUMBERS, as_2d, full_jacobian_blocks, weighted
@@ -148,12 +148,15 @@ def ggn_matrix_product(
                 return flat(wv, xc)
 
             out, pullback = vjp(f, w)
-            jv = vmap(lambda t, f=f: jvp(f, (w,), (t,))[1])(tangents)  # (b, n, ...)
+            jv = jvps(net, f, w, tangents)[1]  # (b, n, ...): forward AD, else a fallback
             out2 = as_2d(out)
             hjv = torch.einsum(
                 "nop,bnp->bno", output_hessian(likelihood, out2), jv.reshape(-1, *out2.shape)
-            )
-            total += vmap(lambda c: pullback(c)[0])(hjv.reshape(jv.shape))
+            ).reshape(jv.shape)
+            try:
+                total += vmap(lambda c: pullback(c)[0])(hjv)
+            except (RuntimeError, NotImplementedError):  # no batching rule (e.g. fused RNNs)
+                total += torch.stack([pullback(c)[0] for c in hjv])
     return distributed.all_reduce_sum(total.T.detach())  # summed over ranks' shards
 
 
