@@ -20,15 +20,22 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import datasets, likelihoods, metrics, subspaces
-from ..infer import AutoSubspaceLaplace, EllipticalSliceSampler, linearized_predictive
+from ..infer import (
+    AutoSubspaceLaplace,
+    EllipticalSliceSampler,
+    GeneralizedEllipticalSliceSampler,
+    linearized_predictive,
+)
 from ..nn import SubspaceNet
 from ..train import fit_map
 from . import defaults, options, report
 
 SUBSPACES = ("pca", "random", "subnetwork", "ggn")
-INFERENCE = ("ess", "nuts", "hmc", "vi", "laplace")
+INFERENCE = ("ess", "gess", "nuts", "hmc", "vi", "laplace")
 MCMC_KERNELS = {
     "ess": EllipticalSliceSampler,
+    # the generalised kernel: slices over the subspace Laplace posterior (fast at T = 1)
+    "gess": lambda model: GeneralizedEllipticalSliceSampler(model, reference="laplace"),
     "nuts": NUTS,
     "hmc": lambda model: HMC(model, num_steps=10),
 }
@@ -94,7 +101,7 @@ def check(args: argparse.Namespace, given: set[str]) -> None:
     options.reject_unused(
         given,
         {
-            "--warmup": (args.inference in MCMC_KERNELS, "to --inference ess, nuts or hmc"),
+            "--warmup": (args.inference in MCMC_KERNELS, "to --inference ess, gess, nuts or hmc"),
             "--vi-steps": (args.inference == "vi", "to --inference vi"),
             "--laplace-prior": (args.inference == "laplace", "to --inference laplace"),
             "--max-snapshots": (args.subspace == "pca", "to --subspace pca"),
@@ -103,7 +110,7 @@ def check(args: argparse.Namespace, given: set[str]) -> None:
 
 
 def posterior_draws(model: SubspaceNet, args: argparse.Namespace, x, y) -> torch.Tensor:
-    """Draws of ``t`` ``(S, K)`` by MCMC (``--inference ess|nuts|hmc``) or SVI (``vi``)."""
+    """Draws of ``t`` ``(S, K)`` by MCMC (``--inference ess|gess|nuts|hmc``) or SVI (``vi``)."""
     if args.inference in MCMC_KERNELS:
         kernel = MCMC_KERNELS[args.inference](model)
         mcmc = MCMC(
