@@ -284,6 +284,34 @@ def test_laplace_fit_converged_in_float64_does_not_warn():
     assert float(grad.abs().max()) <= 1e-8
 
 
+def test_laplace_fit_on_a_smooth_net_converges_where_lbfgs_alone_stalls():
+    # tanh net, 20-weight subnetwork: L-BFGS alone stops at float64 loss resolution with a
+    # gradient entry ~1e-7; the exact-Newton steps take it below tol (quadratic convergence)
+    guide, x, y = _laplace(torch.float64)
+    with pytest.warns(ConvergenceWarning, match="float64 resolution"):
+        guide.fit(x, y, newton_steps=0)
+    guide, x, y = _laplace(torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        guide.fit(x, y)
+    ev = guide.model.evaluator(x, y)
+    _, grad = FullPrior(guide).add(*ev.nll_and_grad(guide.loc), guide.loc)
+    assert float(grad.abs().max()) <= 1e-9
+
+
+def test_evaluator_hessian_is_the_dense_autograd_hessian():
+    guide, x, y = _laplace(torch.float64)
+    model = guide.model
+    ev = model.evaluator(x, y, chunk_size=7)  # several chunks, summed
+    t = 0.1 * torch.randn(model.rank, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+    def nll(tt):
+        return -model.likelihood.log_prob(model.outputs(tt, x), y).sum() / ev.temperature
+
+    dense = torch.autograd.functional.hessian(nll, t)
+    torch.testing.assert_close(ev.hessian(t), dense, rtol=1e-10, atol=1e-10)
+
+
 # ---------------------------------------------------------------- reproducibility across processes
 
 

@@ -99,6 +99,26 @@ class Evaluator:
             total, grad = total + float(nll.detach()), grad + g.double()
         return self.data.reduce(total, grad)
 
+    def hessian(self, t: torch.Tensor) -> torch.Tensor:
+        """The exact Hessian ``∇²_t (−log p(D | t)/T)`` ``(K, K)``, float64, symmetrised: per
+        chunk, the gradient's ``K`` reverse-over-reverse products with the unit vectors,
+        batched (a loop where a layer has no batching rule). Costs about ``K`` backward
+        passes over the data; the Laplace MAP search uses it for its Newton steps."""
+        model = self.model
+        t = t.detach().requires_grad_(True)
+        eye = torch.eye(t.shape[0], dtype=t.dtype, device=t.device)
+        total = torch.zeros(t.shape[0], t.shape[0], dtype=torch.float64, device=t.device)
+        for xc, yc in self.chunks():
+            nll = -model.likelihood.log_prob(model.outputs(t, xc), yc).sum() / self.temperature
+            (g,) = torch.autograd.grad(nll, t, create_graph=True)
+            try:
+                (rows,) = torch.autograd.grad(g, t, eye, retain_graph=True, is_grads_batched=True)
+            except RuntimeError:  # no vmap rule for a layer (e.g. fused RNN kernels)
+                rows = torch.stack([torch.autograd.grad(g, t, e, retain_graph=True)[0] for e in eye])
+            total += rows.double()
+        total = self.data.reduce(total)
+        return (total + total.T) / 2
+
     def map_statistics(self, t: torch.Tensor) -> tuple[float, float, int]:
         """``log p(D | t)`` (untempered) and, for a likelihood with one tunable noise scale,
         the residual sum of squares and the number of observations (else 0, 0)."""
