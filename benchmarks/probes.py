@@ -287,6 +287,8 @@ def build() -> None:
     data_probes("AutoSubspaceLaplace.fit", lap_fit)
     probe("AutoSubspaceLaplace.fit", "max_iter 0", "max_iter", lambda: lap_fit(X, Y, max_iter=0))
     probe("AutoSubspaceLaplace.fit", "tol nan", "tol", lambda: lap_fit(X, Y, tol=math.nan))
+    probe("AutoSubspaceLaplace.fit", "newton_steps -1", "newton_steps", lambda: lap_fit(X, Y, newton_steps=-1))
+    probe("AutoSubspaceLaplace.fit", "newton_steps 2.5", "newton_steps", lambda: lap_fit(X, Y, newton_steps=2.5))
     probe(
         "AutoSubspaceLaplace(...)",
         "hessian_structure 'kron'",
