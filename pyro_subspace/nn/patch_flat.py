@@ -138,11 +138,8 @@ class _FlatCache:
     def __init__(self) -> None:
         self.flat: nn.Parameter | None = None
 
-    def __getstate__(self) -> None:
-        return None
-
-    def __setstate__(self, _state: None) -> None:
-        self.flat = None
+    def __reduce__(self) -> tuple:
+        return (_FlatCache, ())
 
     def __deepcopy__(self, memo: dict) -> _FlatCache:
         return _FlatCache()
