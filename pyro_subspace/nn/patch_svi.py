@@ -1,6 +1,6 @@
 """A `PatchedNet` training step at the cost of a vanilla one, through plain torch or Pyro's SVI.
 
-Three pieces, each result-preserving:
+Four pieces, each result-preserving:
 
 - `swapped_forward`: the network at given weights by putting the tensors into the modules'
   parameter (and buffer) slots for one forward pass and restoring them afterwards: the same
@@ -14,7 +14,13 @@ Three pieces, each result-preserving:
   loss as on (`PatchedNet.forward`, `PatchedNet.guide`): the log densities are sums over
   elements, only grouped differently, and ``log p(z) − log q(z) = 0`` either way (the same
   fixed law in model and guide). Pyro's cost per step grows with the number of sites, so this
-  pair is what `PatchedNet.fit` (``method="svi"``) uses.
+  pair is what `PatchedNet.fit` (``method="svi"``) uses. The guide declares ONE param site,
+  ``"loc_flat"``, the flat means of `patch_flat.flat_means` (the per-slot means are views of
+  it), selects the drawn components with one gather, and the sites' laws are `patch_flat`'s
+  whole-tensor ones (``randint`` draws, a dot-product prior, a ``Delta`` with free
+  ``log_prob``): the same log densities, without Pyro's per-element and per-site overhead.
+- `torch_step`: `PatchedNet.fit`'s plain-torch step on the same flat means, eq. (7) as a
+  per-element weight decay of one Adam.
 - `JointOptim`: a ``PyroOptim`` that steps ONE torch optimiser over all the parameters rather
   than one optimiser per parameter tensor (Pyro's default). Adam (and SGD) update every element
   independently, so the updates are identical; only the per-tensor Python overhead goes.
@@ -35,7 +41,7 @@ from torch import nn
 from . import patch_flat
 from .patch_family import plate_batch_shape
 
-__all__ = ["JointOptim", "fused_guide", "fused_model", "swapped_forward"]
+__all__ = ["JointOptim", "fused_guide", "fused_model", "svi_step", "swapped_forward", "torch_step"]
 
 #: the name of the param site holding the flat means in `fused_guide`.
 FLAT_SITE = "loc_flat"

@@ -364,6 +364,8 @@ class PatchedNet(PyroModule):
             method: ``"torch"``: `negative_elbo` with ``torch.optim.Adam``; ``"svi"``: Pyro's
                 ``SVI(self.fused_model, self.fused_guide, Adam, Trace_ELBO())`` on the same
                 objective, with whole-tensor sites and one Adam for all means (`patch_svi`).
+                Both step on the means laid end to end in one tensor (`patch_flat.flat_means`;
+                the per-slot means become views of it), one gather per draw.
             seed: seeds the shuffling (and nothing else; seed Pyro/torch for the draws). With
                 ``None`` the shuffling seed is one draw from torch's global generator, so
                 ``torch.manual_seed`` alone makes the fit reproducible.
