@@ -27,9 +27,9 @@ import pyro.distributions as dist
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
-from benchmarks.protocols import bn_mlp  # noqa: E402
-from pyro_subspace import PatchedNet, likelihoods  # noqa: E402
-from pyro_subspace.nn import patch_flat, patch_svi  # noqa: E402
+from benchmarks.protocols import bn_mlp
+from pyro_subspace import PatchedNet, likelihoods
+from pyro_subspace.nn import patch_flat, patch_svi
 
 
 def _best(fn, number: int = 200, repeat: int = 7) -> float:
@@ -60,7 +60,9 @@ def pieces(mode: str) -> list[tuple[str, float, float]]:
     zs = lay.split_assignments(z)
 
     def per_slot_select():
-        loc = torch.cat([model.family.select(s, p, zs, ()).reshape(-1) for s, p in zip(model.slots, params)])
+        loc = torch.cat(
+            [model.family.select(s, p, zs, ()).reshape(-1) for s, p in zip(model.slots, params)]
+        )
         loc.sum().backward()
 
     def params_traced():
@@ -75,12 +77,32 @@ def pieces(mode: str) -> list[tuple[str, float, float]]:
     loc = flat.index_select(0, lay.base)
     rows = [
         (f"assignment draw (A = {a})", _best(cat.sample), _best(uni.sample)),
-        ("assignment log_prob, model + guide", 2 * _best(lambda: cat.log_prob(z)), 2 * _best(lambda: uni.log_prob(z))),
-        (f"prior log_prob fwd+bwd (D = {d})", _best(lambda: normal.log_prob(w).backward()), _best(lambda: prior.log_prob(w).backward())),
-        ("Delta guide log_prob", _best(lambda: dist.Delta(loc, event_dim=1).log_prob(loc)), _best(lambda: (lambda p: p.log_prob(p.v))(patch_flat.PointMass(loc)))),
+        (
+            "assignment log_prob, model + guide",
+            2 * _best(lambda: cat.log_prob(z)),
+            2 * _best(lambda: uni.log_prob(z)),
+        ),
+        (
+            f"prior log_prob fwd+bwd (D = {d})",
+            _best(lambda: normal.log_prob(w).backward()),
+            _best(lambda: prior.log_prob(w).backward()),
+        ),
+        (
+            "Delta guide log_prob",
+            _best(lambda: dist.Delta(loc, event_dim=1).log_prob(loc)),
+            _best(lambda: patch_flat.PointMass(loc).log_prob(loc)),
+        ),
         (f"pyro.param statements ({len(params)} vs 1)", _best(params_traced), _best(flat_traced)),
-        (f"Adam step ({len(params)} tensors vs 1 flat)", _best(adam_each.step), _best(adam_flat.step)),
-        ("select drawn means fwd+bwd", _best(per_slot_select), _best(lambda: lay.select(flat, z).sum().backward())),
+        (
+            f"Adam step ({len(params)} tensors vs 1 flat)",
+            _best(adam_each.step),
+            _best(adam_flat.step),
+        ),
+        (
+            "select drawn means fwd+bwd",
+            _best(per_slot_select),
+            _best(lambda: lay.select(flat, z).sum().backward()),
+        ),
     ]
     return rows
 

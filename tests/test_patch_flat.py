@@ -97,7 +97,9 @@ def test_whole_tensor_laws_equal_pyro_laws():
         b = patch_flat.BernoulliAssignments(9, keep, like)
         m = b.sample((3,))
         want = dist.Bernoulli(probs=torch.tensor(keep, dtype=torch.float64)).expand([9])
-        torch.testing.assert_close(b.log_prob(m), want.to_event(1).log_prob(m), atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(
+            b.log_prob(m), want.to_event(1).log_prob(m), atol=1e-12, rtol=1e-12
+        )
     w = torch.randn(2, 6, dtype=torch.float64)
     taus = torch.tensor([1.0, 1.0, 2.0, 2.0, 0.5, 0.5], dtype=torch.float64)
     for prec in (3.0, taus):
@@ -147,7 +149,9 @@ def test_fused_loss_and_gradient_equal_per_site_at_the_same_draw(mode, sigma, ta
         pyro.set_rng_seed(seed)
         tr = pyro.poutine.trace(model.guide).get_trace(x, y)
         state = {k: v.clone() for k, v in model.named_buffers()}  # BatchNorm: same statistics
-        per_site = Trace_ELBO().differentiable_loss(model, pyro.poutine.replay(model.guide, trace=tr), x, y)
+        per_site = Trace_ELBO().differentiable_loss(
+            model, pyro.poutine.replay(model.guide, trace=tr), x, y
+        )
         grads = torch.autograd.grad(per_site, params)
         for k, v in model.named_buffers():
             v.copy_(state[k])
@@ -180,7 +184,10 @@ def per_slot_fit(model, x, y, epochs, lr, batch_size, seed):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("mode, sigma", [("emp", 0.0), ("ecmp", 0.0), ("ecmp", 0.01), ("dropout", 0.0), ("ensemble", 0.0)])
+@pytest.mark.parametrize(
+    "mode, sigma",
+    [("emp", 0.0), ("ecmp", 0.0), ("ecmp", 0.01), ("dropout", 0.0), ("ensemble", 0.0)],
+)
 def test_fit_equals_per_slot_training_from_the_same_seed(mode, sigma):
     x, y = data(50)
     models = [
@@ -215,7 +222,9 @@ def per_slot_svi(model, x, y, epochs, lr, batch_size, seed):
     def ref_guide(x, y, num_data):
         z = lay.split_assignments(pyro.sample("z", lay.assignment_law(scales)))
         means = [pyro.param("ref." + s.key, init[s.key]) for s in model.slots]
-        loc = torch.cat([model.family.select(s, m, z, ()).reshape(-1) for s, m in zip(model.slots, means)])
+        loc = torch.cat(
+            [model.family.select(s, m, z, ()).reshape(-1) for s, m in zip(model.slots, means)]
+        )
         pyro.sample("w", dist.Delta(loc, event_dim=1))
 
     svi = SVI(ref_model, ref_guide, pyro.optim.Adam({"lr": lr}), Trace_ELBO())

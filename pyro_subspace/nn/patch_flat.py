@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import ClassVar
 
 import torch
 from pyro.distributions import Delta, TorchDistribution, constraints
@@ -92,7 +93,9 @@ class FlatLayout:
         ``torch.rand < 1 − p`` (``like``'s dtype), the same numbers as `PatchFamily.
         draw_assignments` site after site from the same generator state."""
         if self.kind == "cat":
-            return torch.randint(self.family.n_components, (self.num_assignments,), device=like.device)
+            return torch.randint(
+                self.family.n_components, (self.num_assignments,), device=like.device
+            )
         u = torch.rand(self.num_assignments, dtype=like.dtype, device=like.device)
         return (u < 1.0 - self.family.drop_prob).to(like.dtype)
 
@@ -198,7 +201,7 @@ class UniformAssignments(TorchDistribution):
     ``Categorical(probs=1/K).expand([A]).to_event(1)``, sampled with ``torch.randint`` and with
     ``log_prob = −A log K``."""
 
-    arg_constraints: dict = {}
+    arg_constraints: ClassVar[dict] = {}
     has_enumerate_support = False
 
     def __init__(self, size: int, k: int, like: torch.Tensor) -> None:
@@ -209,7 +212,7 @@ class UniformAssignments(TorchDistribution):
     def support(self):
         return constraints.independent(constraints.integer_interval(0, self.k - 1), 1)
 
-    def sample(self, sample_shape: torch.Size = torch.Size()) -> torch.Tensor:
+    def sample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
         shape = torch.Size(sample_shape) + self.event_shape
         return torch.randint(self.k, shape, device=self.like.device)
 
@@ -222,14 +225,14 @@ class BernoulliAssignments(TorchDistribution):
     """``A`` independent ``Bernoulli(keep)`` draws (values in ``like``'s dtype), one event
     ``(A,)``: ``log_prob = n₁ log keep + (A − n₁) log(1 − keep)`` with ``n₁`` the ones."""
 
-    arg_constraints: dict = {}
+    arg_constraints: ClassVar[dict] = {}
     support = constraints.independent(constraints.boolean, 1)
 
     def __init__(self, size: int, keep: float, like: torch.Tensor) -> None:
         self.keep, self.like = keep, like
         super().__init__(torch.Size(), torch.Size((size,)), validate_args=False)
 
-    def sample(self, sample_shape: torch.Size = torch.Size()) -> torch.Tensor:
+    def sample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
         shape = torch.Size(sample_shape) + self.event_shape
         u = torch.rand(shape, dtype=self.like.dtype, device=self.like.device)
         return (u < self.keep).to(self.like.dtype)
@@ -244,7 +247,7 @@ class FlatNormalPrior(TorchDistribution):
     """``N(0, diag(τ)⁻¹)`` over ``(D,)`` with per-weight precisions ``τ`` (a float if all are
     equal): ``log_prob(w) = −½ Σ τ w² + ½ Σ log τ − (D/2) log 2π``, one dot product."""
 
-    arg_constraints: dict = {}
+    arg_constraints: ClassVar[dict] = {}
     support = constraints.independent(constraints.real, 1)
     has_rsample = True
 
@@ -257,7 +260,7 @@ class FlatNormalPrior(TorchDistribution):
         self.constant = 0.5 * log_det - 0.5 * size * math.log(2 * math.pi)
         super().__init__(torch.Size(), torch.Size((size,)), validate_args=False)
 
-    def rsample(self, sample_shape: torch.Size = torch.Size()) -> torch.Tensor:
+    def rsample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
         shape = torch.Size(sample_shape) + self.event_shape
         eps = torch.randn(shape, dtype=self.like.dtype, device=self.like.device)
         return eps * self.precision**-0.5
@@ -279,8 +282,8 @@ class PointMass(Delta):
     def __init__(self, v: torch.Tensor) -> None:
         super().__init__(v, log_density=0.0, event_dim=1, validate_args=False)
 
-    def rsample(self, sample_shape: torch.Size = torch.Size()) -> torch.Tensor:
-        return self.v if not sample_shape else super().rsample(sample_shape)
+    def rsample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
+        return self.v if not sample_shape else super().rsample(torch.Size(sample_shape))
 
     def log_prob(self, x: torch.Tensor) -> torch.Tensor:
         if x is self.v:

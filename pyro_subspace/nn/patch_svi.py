@@ -214,9 +214,7 @@ def torch_step(model, x: torch.Tensor, y: torch.Tensor, lr: float):
     lay = patch_flat.layout(model)
     flat = patch_flat.flat_means(model)
     decays = model.weight_decays(n)
-    decay = torch.cat(
-        [flat.new_full((b,), decays[s.key]) for s, b in zip(model.slots, lay.blocks)]
-    )
+    decay = torch.cat([flat.new_full((b,), decays[s.key]) for s, b in zip(model.slots, lay.blocks)])
     optimizer = _DecayedAdam([flat], decay, lr=lr)
     sigma, temperature, lik = model.sigma, model.temperature, model.likelihood
 
@@ -243,7 +241,7 @@ class _DecayedAdam(torch.optim.Adam):
         self.decay = decay
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: D102
+    def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
