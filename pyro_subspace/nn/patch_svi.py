@@ -1,6 +1,6 @@
 """A `PatchedNet` training step at the cost of a vanilla one, through plain torch or Pyro's SVI.
 
-Three pieces, each result-preserving:
+Four pieces, each result-preserving:
 
 - `swapped_forward`: the network at given weights by putting the tensors into the modules'
   parameter (and buffer) slots for one forward pass and restoring them afterwards: the same
@@ -14,7 +14,13 @@ Three pieces, each result-preserving:
   loss as on (`PatchedNet.forward`, `PatchedNet.guide`): the log densities are sums over
   elements, only grouped differently, and ``log p(z) − log q(z) = 0`` either way (the same
   fixed law in model and guide). Pyro's cost per step grows with the number of sites, so this
-  pair is what `PatchedNet.fit` (``method="svi"``) uses.
+  pair is what `PatchedNet.fit` (``method="svi"``) uses. The guide declares ONE param site,
+  ``"loc_flat"``, the flat means of `patch_flat.flat_means` (the per-slot means are views of
+  it), selects the drawn components with one gather, and the sites' laws are `patch_flat`'s
+  whole-tensor ones (``randint`` draws, a dot-product prior, a ``Delta`` with free
+  ``log_prob``): the same log densities, without Pyro's per-element and per-site overhead.
+- `torch_step`: `PatchedNet.fit`'s plain-torch step on the same flat means, eq. (7) as a
+  per-element weight decay of one Adam.
 - `JointOptim`: a ``PyroOptim`` that steps ONE torch optimiser over all the parameters rather
   than one optimiser per parameter tensor (Pyro's default). Adam (and SGD) update every element
   independently, so the updates are identical; only the per-tensor Python overhead goes.
@@ -27,13 +33,18 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import pyro
 import torch
-from pyro.distributions import Delta, Normal
+from pyro.distributions import Normal, constraints
 from pyro.optim import PyroOptim
+from pyro.poutine.runtime import effectful
 from torch import nn
 
+from . import patch_flat
 from .patch_family import plate_batch_shape
 
-__all__ = ["JointOptim", "fused_guide", "fused_model", "swapped_forward"]
+__all__ = ["JointOptim", "fused_guide", "fused_model", "svi_step", "swapped_forward", "torch_step"]
+
+#: the name of the param site holding the flat means in `fused_guide`.
+FLAT_SITE = "loc_flat"
 
 
 @contextlib.contextmanager
@@ -84,22 +95,6 @@ def swapped_forward(
 # whole-tensor model and guide
 
 
-def _assignment_law(model, like: torch.Tensor):
-    """The law of the one ``"z"`` site: every assignment element of the draw, flattened ``(A,)``;
-    all of a mode's assignments share one law (uniform over K, or Bernoulli(1 − p))."""
-    sites = model.family.assignment_sites()
-    size = sum(int(torch.Size(shape).numel()) for _, shape, _ in sites)
-    return model.family.assignment_dist((size,), sites[0][2], like)
-
-
-def _split_assignments(model, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``{assignment site: (*event,)}`` from the flattened ``(A,)`` draw of ``"z"``."""
-    sites = model.family.assignment_sites()
-    sizes = [int(torch.Size(shape).numel()) for _, shape, _ in sites]
-    parts = flat.split(sizes)
-    return {name: p.reshape(shape) for (name, shape, _), p in zip(sites, parts)}
-
-
 def _check_unbatched() -> None:
     if plate_batch_shape():
         raise ValueError(
@@ -120,47 +115,76 @@ def fused_model(model, x: torch.Tensor, y: torch.Tensor | None = None, num_data:
     """
     _check_unbatched()
     like = model._like()
-    z = pyro.sample("z", _assignment_law(model, like))
-    w = pyro.sample("w", Normal(like.new_zeros(()), _prior_scales(model, like)).to_event(1))
-    weights = {s.name: part.view(s.shape) for s, part in zip(model.slots, _split(model, w))}
+    lay = patch_flat.layout(model)
+    z = pyro.sample("z", lay.assignment_law(like))
+    w = pyro.sample("w", _prior(model, like))
     n = x.shape[0]
     total = n if num_data is None else num_data
-    with pyro.plate("data", total, dim=-1, subsample=torch.arange(n, device=x.device)):
-        if model.mode == "ensemble":  # the member's BatchNorm statistics
-            out = model.outputs(weights, x, z[0])
-        else:
-            out = swapped_forward(model.net, weights, x)
-            out = out.unsqueeze(-1) if out.dim() == 1 else out  # as `PatchedNet.outputs`
+    with pyro.plate("data", total, dim=-1, subsample=_arange(n, x.device)):
+        out = _forward(model, lay.split(w), x, z)
         return model.likelihood.observe(out, y, model.temperature)
 
 
 def fused_guide(model, x: torch.Tensor, y: torch.Tensor | None = None, num_data: int | None = None):
     """The guide eq. (1) with whole-tensor sites: ``"z"`` ``(A,)`` from the fixed law, then
     ``"w"`` ``(D,)`` from ``N(M_z, σ²)`` (a ``Delta`` at ``M_z`` for ``σ = 0``), the selected
-    means flattened in slot order. Returns ``{"z": (A,), "w": (D,)}``."""
+    means flattened in slot order.
+
+    The means enter through ONE param site, ``"loc_flat"``: the flat means ``(P,)`` of
+    `patch_flat.flat_means`, of which the per-slot parameters are views, so ``SVI`` updates
+    them with one optimiser step on one tensor. Returns ``{"z": (A,), "w": (D,)}``."""
     _check_unbatched()
     like = model._like()
-    z_flat = pyro.sample("z", _assignment_law(model, like))
-    z = _split_assignments(model, z_flat)
-    loc = torch.cat(
-        [model.family.select(s, getattr(model, s.key), z, ()).reshape(-1) for s in model.slots]
-    )  # through pyro.param (the model is a PyroModule); shape: (D,)
-    d = Delta(loc, event_dim=1) if model.sigma == 0 else Normal(loc, model.sigma).to_event(1)
-    return {"z": z_flat, "w": pyro.sample("w", d)}
+    lay = patch_flat.layout(model)
+    flat = _flat_param(model)
+    z = pyro.sample("z", lay.assignment_law(like))
+    loc = lay.select(flat, z)  # shape: (D,)
+    if model.sigma == 0:
+        d = patch_flat.PointMass(loc)
+    else:
+        d = Normal(loc, model.sigma).to_event(1)
+    return {"z": z, "w": pyro.sample("w", d)}
 
 
-def _prior_scales(model, like: torch.Tensor) -> torch.Tensor:
-    """Prior standard deviations ``τ⁻¹ᐟ²`` of every weight in slot order, ``(D,)``; cached on
+def _flat_param(model) -> torch.Tensor:
+    """A Pyro param statement for the flat means, outside the global param store (as
+    ``PyroModule`` does in local-param mode): only handlers such as ``SVI``'s see it."""
+    flat = patch_flat.flat_means(model)
+    return effectful(type="param")(lambda *_, **__: flat)(
+        FLAT_SITE, constraint=constraints.real, event_dim=None, name=FLAT_SITE
+    )
+
+
+def _forward(model, weights: dict[str, torch.Tensor], x: torch.Tensor, z: torch.Tensor):
+    """Outputs ``(N, O)`` at one draw's weights (the drawn member's statistics if ensemble)."""
+    if model.mode == "ensemble":
+        return model.outputs(weights, x, z[0])
+    out = swapped_forward(model.net, weights, x)
+    return out.unsqueeze(-1) if out.dim() == 1 else out  # as `PatchedNet.outputs`
+
+
+def _prior(model, like: torch.Tensor) -> patch_flat.FlatNormalPrior:
+    """``N(0, τ⁻¹ I)`` over every weight in slot order; the per-weight precisions cached on
     the family per dtype and device (the slots and their ``τ`` are fixed at construction)."""
-    cache = model.family.__dict__.setdefault("_prior_scales", {})
+    cache = model.family.__dict__.setdefault("_prior_precisions", {})
     key = (like.dtype, like.device)
     if key not in cache:
-        cache[key] = torch.cat([like.new_full((s.numel,), s.precision**-0.5) for s in model.slots])
-    return cache[key]
+        taus = {s.precision for s in model.slots}
+        if len(taus) == 1:
+            cache[key] = taus.pop()
+        else:
+            cache[key] = torch.cat([like.new_full((s.numel,), s.precision) for s in model.slots])
+    return patch_flat.FlatNormalPrior(cache[key], model.num_weights, like)
 
 
-def _split(model, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return w.split([s.numel for s in model.slots], dim=-1)
+_ARANGE: dict = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    key = (n, device)
+    if key not in _ARANGE:
+        _ARANGE[key] = torch.arange(n, device=device)
+    return _ARANGE[key]
 
 
 def svi_step(model, x: torch.Tensor, y: torch.Tensor, lr: float):
@@ -172,12 +196,57 @@ def svi_step(model, x: torch.Tensor, y: torch.Tensor, lr: float):
     n = x.shape[0]
     optim = JointOptim(torch.optim.Adam, {"lr": lr})
     svi = SVI(model.fused_model, model.fused_guide, optim, Trace_ELBO())
+    constant = model.elbo_constant
 
     def step(idx: torch.Tensor) -> float:
         with pyro.validation_enabled(False):
-            return (svi.step(x[idx], y[idx], num_data=n) - model.elbo_constant) / n
+            return (svi.step(x[idx], y[idx], num_data=n) - constant) / n
 
     return step
+
+
+def torch_step(model, x: torch.Tensor, y: torch.Tensor, lr: float):
+    """`PatchedNet.fit`'s ``"torch"`` step and optimiser: `PatchedNet.negative_elbo` without the
+    penalty, over ``N``, computed from the flat means (one gather), and Adam on the flat means
+    with eq. (7) as per-element weight decay (`PatchedNet.weight_decays`). The same numbers as
+    the per-slot computation with one Adam group per decay value."""
+    n = x.shape[0]
+    lay = patch_flat.layout(model)
+    flat = patch_flat.flat_means(model)
+    decays = model.weight_decays(n)
+    decay = torch.cat([flat.new_full((b,), decays[s.key]) for s, b in zip(model.slots, lay.blocks)])
+    optimizer = _DecayedAdam([flat], decay, lr=lr)
+    sigma, temperature, lik = model.sigma, model.temperature, model.likelihood
+
+    def step(idx: torch.Tensor) -> torch.Tensor:
+        z = lay.draw(flat)
+        w = lay.select(flat, z)
+        if sigma > 0:  # one draw of σ ε for all weights
+            w = w + sigma * torch.randn(w.shape, dtype=w.dtype, device=w.device)
+        out = _forward(model, lay.split(w), x[idx], z)
+        with pyro.validation_enabled(False):  # data validated once by the caller
+            log_lik = lik.distribution(out).log_prob(y[idx])
+        b = idx.shape[0]
+        return -log_lik.sum() * (n / b) / temperature / n
+
+    return step, optimizer
+
+
+class _DecayedAdam(torch.optim.Adam):
+    """Adam with a per-element L2 coefficient ``decay`` (the tensor form of ``weight_decay``:
+    ``grad += decay ⊙ param`` before the update) on one parameter."""
+
+    def __init__(self, params: list[torch.Tensor], decay: torch.Tensor, lr: float) -> None:
+        super().__init__(params, lr=lr)
+        self.decay = decay
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.addcmul_(self.decay, p)
+        return super().step(closure)
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,7 +277,8 @@ class JointOptim(PyroOptim):
     def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
         new = [p for p in params if p not in self._seen]
         if new:
-            new.sort(key=pyro.get_param_store().param_name)  # a fixed order: sets are unordered
+            store = pyro.get_param_store()  # a fixed order: sets are unordered
+            new.sort(key=lambda p: store.param_name(p) or "")
             if self._joint is None:
                 self._joint = self.pt_optim_constructor(new, **self.pt_optim_args)
             else:

@@ -364,6 +364,8 @@ class PatchedNet(PyroModule):
             method: ``"torch"``: `negative_elbo` with ``torch.optim.Adam``; ``"svi"``: Pyro's
                 ``SVI(self.fused_model, self.fused_guide, Adam, Trace_ELBO())`` on the same
                 objective, with whole-tensor sites and one Adam for all means (`patch_svi`).
+                Both step on the means laid end to end in one tensor (`patch_flat.flat_means`;
+                the per-slot means become views of it), one gather per draw.
             seed: seeds the shuffling (and nothing else; seed Pyro/torch for the draws). With
                 ``None`` the shuffling seed is one draw from torch's global generator, so
                 ``torch.manual_seed`` alone makes the fit reproducible.
@@ -385,20 +387,8 @@ class PatchedNet(PyroModule):
         y = self.likelihood.validate(probe.new_zeros(n, *probe.shape[1:]), y)
         if method == "svi":  # SVI(fused_model, fused_guide, Adam, Trace_ELBO()): patch_svi
             step, optimizer = patch_svi.svi_step(self, x, y, lr), None
-        else:
-            groups = {}  # one group per decay value: Adam's per-group overhead, not per tensor
-            for k, v in self.weight_decays(n).items():
-                groups.setdefault(v, []).append(self._parameters[k])
-            groups = [{"params": ps, "weight_decay": v} for v, ps in groups.items()]
-            optimizer = torch.optim.Adam(groups, lr=lr)
-
-            def step(idx: torch.Tensor) -> torch.Tensor:
-                with pyro.validation_enabled(False):  # data validated once, above
-                    nll = self.negative_elbo(
-                        x[idx], y[idx], num_data=n, include_penalty=False, validate=False
-                    )
-                return nll / n  # the penalty's gradient: Adam's weight_decay (eq. 7)
-
+        else:  # negative_elbo without the penalty over N, from the flat means; eq. (7) by Adam
+            step, optimizer = patch_svi.torch_step(self, x, y, lr)
         with preserved(self, self.net, buffers="error", weights="error"), train_mode(self, self.net):
             return minibatch_loop(
                 step,
