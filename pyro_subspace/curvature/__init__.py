@@ -4,6 +4,8 @@
   heteroscedastic Gaussian).
 - `ggn_vector_product`: ``G v`` by ``jvp``/``vjp`` (Subnetwork Inference eq. 9);
   `ggn_matrix_product`: ``G V`` for a block of vectors in one batched pass.
+- `GGNOperator`: ``G v``/``G V`` at fixed weights with the network's graphs built once (for
+  eigensolvers: no primal forward per product).
 - `ggn_in_subspace`: ``Pᵀ G P`` for a dense or index `Subspace` (eq. 15).
 - `ggn_diagonal`: the exact ``diag(G)`` (diagonal Laplace, section 5).
 - `subspace_jacobians`, `full_jacobians`: blocks of ``J_n P`` / ``J_n`` for predictives.
@@ -23,10 +25,12 @@ from .ggn import (
     output_hessian,
     subspace_jacobians,
 )
+from .ggn_operator import GGNOperator
 from .block_lanczos import block_lanczos_eigh
 from .lanczos import lanczos_eigh
 
 __all__ = [
+    "GGNOperator",
     "MAX_JACOBIAN_NUMBERS",
     "block_lanczos_eigh",
     "full_jacobians",
