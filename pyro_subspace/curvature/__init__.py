@@ -10,7 +10,8 @@
 - `ggn_diagonal`: the exact ``diag(G)`` (diagonal Laplace, section 5).
 - `subspace_jacobians`, `full_jacobians`: blocks of ``J_n P`` / ``J_n`` for predictives.
 - `lanczos_eigh`: top-``k`` eigenpairs of a symmetric operator (Subspace Inference appendix E),
-  via ``linear_operator``'s Lanczos; `block_lanczos_eigh`: the block variant on ``G V``.
+  via ``linear_operator``'s Lanczos; `block_lanczos_eigh`: the block variant on ``G V``;
+  `thick_restart_lanczos_eigh`: to a tolerance, in the fewest products (tested every step).
 """
 
 from .ggn import (
@@ -28,6 +29,7 @@ from .ggn import (
 from .ggn_operator import GGNOperator
 from .block_lanczos import block_lanczos_eigh
 from .lanczos import lanczos_eigh
+from .thick_lanczos import thick_restart_lanczos_eigh
 
 __all__ = [
     "GGNOperator",
@@ -43,4 +45,5 @@ __all__ = [
     "lanczos_eigh",
     "output_hessian",
     "subspace_jacobians",
+    "thick_restart_lanczos_eigh",
 ]

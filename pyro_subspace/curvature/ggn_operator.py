@@ -49,7 +49,9 @@ class GGNOperator:
             recomputed on every product (`ggn_vector_product`). Default `MAX_CACHED_BYTES`.
 
     Attributes:
-        dim: ``D``. dtype, device: of ``w``.
+        dim: ``D``.
+        dtype: ``w``'s dtype.
+        device: ``w``'s device.
         products: operator-vector products so far (a block of ``b`` counts ``b``).
         cached_bytes: bytes of the saved tensors held by the cached graphs.
         cached_rows, total_rows: rows of ``x`` covered by the cache, and all rows.
