@@ -96,7 +96,7 @@ def test_budget_warns_and_exact_at_dim():
 
 def test_bad_input():
     a = decaying(10)
-    mv = lambda v: a @ v  # noqa: E731
+    mv = lambda v: a @ v
     with pytest.raises(TypeError, match="matvec"):
         thick_restart_lanczos_eigh(a, 10, 2)
     with pytest.raises(ValueError, match="k"):
@@ -109,3 +109,14 @@ def test_bad_input():
         thick_restart_lanczos_eigh(mv, 10, 2, v0=torch.zeros(10, dtype=torch.float64))
     with pytest.raises(ValueError, match="matvec"):
         thick_restart_lanczos_eigh(lambda v: v[:3], 10, 2)
+
+
+def test_ggn_eigen_with_tol_uses_thick_restart_and_equals_dense_eigh():
+    from pyro_subspace import subspaces
+
+    net, lik, x = make_problem("categorical_3")
+    g = dense_ggn(net, lik, x)
+    sub = subspaces.ggn_eigen(net, lik, x, 4, tol=1e-10)
+    check_pairs(sub.eigenvalues, sub.basis, g, 4, 1e-8, 1e-8)
+    with pytest.raises(ValueError, match="tol"):
+        subspaces.ggn_eigen(net, lik, x, 4, tol=-1.0)
