@@ -9,7 +9,8 @@ Ritz residuals ``‖G y − θ y‖ <= TOL · |θ|``), and products counted insi
 of ``b`` counts ``b``):
 
 - ``eigsh(op, k=20, which="LA", tol=TOL, v0=v0)`` (implicitly restarted Lanczos, ncv = 41);
-- `thick_restart_lanczos_eigh` (tests convergence after every product);
+- `thick_restart_lanczos_eigh` (tests convergence after every product, every second one
+  while far from converged);
 - `block_lanczos_eigh` for ``--blocks`` (batched products), and `lanczos_eigh` (fixed 3k = 60
   products, no stopping test) for reference.
 
