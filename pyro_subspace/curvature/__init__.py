@@ -4,11 +4,14 @@
   heteroscedastic Gaussian).
 - `ggn_vector_product`: ``G v`` by ``jvp``/``vjp`` (Subnetwork Inference eq. 9);
   `ggn_matrix_product`: ``G V`` for a block of vectors in one batched pass.
+- `GGNOperator`: ``G v``/``G V`` at fixed weights with the network's graphs built once (for
+  eigensolvers: no primal forward per product).
 - `ggn_in_subspace`: ``Pᵀ G P`` for a dense or index `Subspace` (eq. 15).
 - `ggn_diagonal`: the exact ``diag(G)`` (diagonal Laplace, section 5).
 - `subspace_jacobians`, `full_jacobians`: blocks of ``J_n P`` / ``J_n`` for predictives.
 - `lanczos_eigh`: top-``k`` eigenpairs of a symmetric operator (Subspace Inference appendix E),
-  via ``linear_operator``'s Lanczos; `block_lanczos_eigh`: the block variant on ``G V``.
+  via ``linear_operator``'s Lanczos; `block_lanczos_eigh`: the block variant on ``G V``;
+  `thick_restart_lanczos_eigh`: to a tolerance, in the fewest products (tested every step).
 """
 
 from .ggn import (
@@ -23,10 +26,13 @@ from .ggn import (
     output_hessian,
     subspace_jacobians,
 )
+from .ggn_operator import GGNOperator
 from .block_lanczos import block_lanczos_eigh
 from .lanczos import lanczos_eigh
+from .thick_lanczos import thick_restart_lanczos_eigh
 
 __all__ = [
+    "GGNOperator",
     "MAX_JACOBIAN_NUMBERS",
     "block_lanczos_eigh",
     "full_jacobians",
@@ -39,4 +45,5 @@ __all__ = [
     "lanczos_eigh",
     "output_hessian",
     "subspace_jacobians",
+    "thick_restart_lanczos_eigh",
 ]

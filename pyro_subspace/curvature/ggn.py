@@ -17,23 +17,29 @@ layers) fall back automatically to reverse-over-reverse products (`autodiff`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from functools import partial
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import nn
 from torch.func import vjp, vmap
 
 from .. import distributed
 from .._checks import positive_int
 from ..gram import gram_from_blocks
-from ..autodiff import jvp_any, jvps
+from ..autodiff import jvp_any, jvps, strategy_of
 from ..data import DataSource
 from ..flat import FlatNet, eval_mode
 from ..jacobians import MAX_JACOBIAN_NUMBERS, as_2d, full_jacobian_blocks, weighted
 from ..likelihoods import Likelihood, check_likelihood
 from ..subspaces.base import Subspace
 from .output_hessian import hessian_factor, output_hessian
+
+
+#: Networks on which the one-pass dual-number product failed (they use jvp, then vjp).
+_NO_DUAL: weakref.WeakSet = weakref.WeakSet()
 
 
 def _setup(
@@ -72,7 +78,12 @@ def ggn_vector_product(
     w: torch.Tensor | None = None,
     chunk_size: int = 1024,
 ) -> torch.Tensor:
-    """``G v = Σ_n J_nᵀ H_n J_n v`` (eq. 9 without ``λ``), by ``jvp`` then ``vjp``; no Jacobian.
+    """``G v = Σ_n J_nᵀ H_n J_n v`` (eq. 9 without ``λ``), forward then reverse mode; no Jacobian.
+
+    Per chunk ONE forward pass with dual-number weights gives the outputs and ``J v`` together
+    (forward-mode AD, with the autograd graph recorded), then one backward pass ``Jᵀ(H J v)``;
+    networks whose kernels lack forward derivatives use the `autodiff.jvps` fallbacks and a
+    separate ``vjp``. For many products at the same ``w`` use `GGNOperator` (graphs kept).
 
     Args:
         net: the network; evaluated in eval mode at ``w``.
@@ -100,6 +111,12 @@ def ggn_vector_product(
             def f(wv: torch.Tensor, xc: torch.Tensor = xc) -> torch.Tensor:
                 return flat(wv, xc)
 
+            if net not in _NO_DUAL and strategy_of(net) in (None, "forward"):
+                try:
+                    total += _dual_product(f, w, v, likelihood)
+                    continue
+                except (RuntimeError, NotImplementedError):  # a kernel without forward AD
+                    _NO_DUAL.add(net)
             out, jv = jvp_any(net, f, w, v)
             out2 = as_2d(out)
             hjv = torch.einsum(
@@ -108,6 +125,24 @@ def ggn_vector_product(
             _, pullback = vjp(f, w)
             total += pullback(hjv.reshape(out.shape))[0]
     return distributed.all_reduce_sum(total.detach())
+
+
+def _dual_product(f, w: torch.Tensor, v: torch.Tensor, likelihood: Likelihood) -> torch.Tensor:
+    """``J_cᵀ H_c J_c v`` on one chunk from ONE forward pass: the weights are a forward-mode
+    dual number ``w + ε v`` that also requires grad, so the pass yields the outputs (with the
+    autograd graph recorded) and ``J v`` together; one backward pass then gives ``Jᵀ (H J v)``.
+    The primal is computed once, not once for ``jvp`` and again for ``vjp``."""
+    with torch.enable_grad():
+        wg = w.detach().requires_grad_(True)
+        with fwAD.dual_level():
+            out, jv = fwAD.unpack_dual(f(fwAD.make_dual(wg, v)))
+        if jv is None:  # the outputs do not depend on the weights
+            return torch.zeros_like(w)
+        out2 = as_2d(out.detach())
+        hjv = torch.einsum(
+            "nop,np->no", output_hessian(likelihood, out2), jv.detach().reshape(out2.shape)
+        )
+        return torch.autograd.grad(out, wg, hjv.reshape(out.shape))[0]
 
 
 def ggn_matrix_product(
@@ -139,6 +174,8 @@ def ggn_matrix_product(
         raise ValueError(f"v: expected shape ({w.numel()}, b) with b >= 1, got {tuple(v.shape)}")
     if not torch.isfinite(v).all():
         raise ValueError("v: contains NaN or inf")
+    if v.shape[1] == 1:  # one vector: the unbatched product is cheaper than vmap over one
+        return ggn_vector_product(net, likelihood, x, v[:, 0], w, chunk_size)[:, None]
     tangents = v.detach().to(w).T.contiguous()  # (b, D)
     total = torch.zeros_like(tangents)
     with eval_mode(net):

@@ -3,7 +3,8 @@
 Subspace Inference, appendix E, finds the eigenstructure of the Hessian/GGN with Lanczos
 (GPyTorch); Subnetwork Inference discusses the low-rank Laplace as the alternative to a
 subnetwork. Here ``G = Σ_n J_nᵀ H_n J_n`` is only ever applied to vectors
-(`curvature.ggn_vector_product`), so memory is that of a few network passes.
+(`curvature.GGNOperator`: the network's graphs built once, two backward passes per product), so
+memory is that of those graphs, never a ``D × D`` matrix.
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ import torch
 from torch import nn
 
 from .. import _checks as ck
-from ..curvature import block_lanczos_eigh, ggn_matrix_product, ggn_vector_product, lanczos_eigh
+from ..curvature import (
+    GGNOperator,
+    block_lanczos_eigh,
+    lanczos_eigh,
+    thick_restart_lanczos_eigh,
+)
 from ..flat import FlatNet
 from ..likelihoods import Likelihood, check_likelihood
 from ..threads import thread_policy
@@ -35,8 +41,9 @@ def ggn_eigen(
 ) -> Subspace:
     """The ``rank`` leading GGN eigenvectors at ``w`` as a dense, orthonormal `Subspace`.
 
-    ``G u_k = γ_k u_k`` with ``γ_1 >= … >= γ_K`` by Lanczos (`curvature.lanczos_eigh`, float64
-    Lanczos vectors, full reorthogonalisation); the subspace is ``w = ŵ + U t`` with
+    ``G u_k = γ_k u_k`` with ``γ_1 >= … >= γ_K`` by Lanczos (float64 Lanczos vectors, full
+    reorthogonalisation) on `curvature.GGNOperator` (its cached graphs hold about three times the
+    activations of a forward pass over ``x``, at most 1 GiB; rows beyond are recomputed); the subspace is ``w = ŵ + U t`` with
     ``U = [u_1 … u_K]`` of shape ``(D, K)`` and ``UᵀU = I``. Under the isotropic prior
     ``N(0, λ⁻¹ I)`` the Laplace posterior precision in this subspace is ``diag(γ)/T + λ I``
     (`infer.AutoSubspaceLaplace`), and the directions left out keep precision ``λ``.
@@ -50,15 +57,18 @@ def ggn_eigen(
         rank: ``K``, the number of eigenvectors, ``1 <= K <= D``.
         w: flat weights ``(D,)`` (the shift ``ŵ``); default the network's current weights.
         num_iter: Lanczos iterations (GGN-vector products); default ``max(2K + 20, 3K)``.
+            With ``tol``: the most products (default ``D``).
         chunk_size: rows per ``jvp``/``vjp`` pass.
         seed: seed of Lanczos' random start vector.
-        block_size: ``1``: single-vector Lanczos (`curvature.lanczos_eigh`), ``num_iter``
-            products. ``b > 1``: block Lanczos (`curvature.block_lanczos_eigh`) on
-            `curvature.ggn_matrix_product`, ``b`` GGN-vector products per batched pass (each
-            about 3x cheaper per vector than one at a time), stopping at ``tol``;
+        block_size: ``1``: single-vector Lanczos: with ``tol``, thick-restart Lanczos
+            (`curvature.thick_restart_lanczos_eigh`, the fewest products: fewer than ARPACK's
+            ``eigsh``, ``benchmarks/results/lanczos_vs_arpack.txt``); without, `curvature.lanczos_eigh`
+            with ``num_iter`` products. ``b > 1``: block Lanczos (`curvature.block_lanczos_eigh`),
+            ``b`` products per batched pass (not cheaper per vector than single products on the
+            cached operator, and more products: kept for compatibility), stopping at ``tol``;
             ``num_iter`` is then a budget, default ``D``.
-        tol: block Lanczos only: stop when every Ritz pair has
-            ``‖G u − γ u‖ <= tol · |γ|`` (ARPACK's test); ``None``: use ``num_iter``.
+        tol: stop when every Ritz pair has ``‖G u − γ u‖ <= tol · |γ|`` (ARPACK's test);
+            ``None``: use ``num_iter`` products.
 
     Returns:
         A `Subspace` with ``shift = ŵ`` ``(D,)`` and ``basis = U`` ``(D, K)`` in ``ŵ``'s dtype,
@@ -77,20 +87,28 @@ def ggn_eigen(
     ck.check_int(rank, "rank", 1, d)
     w = w.detach()
 
-    def matvec(v: torch.Tensor) -> torch.Tensor:
-        return ggn_vector_product(net, likelihood, x, v.to(w), w=w, chunk_size=chunk_size)
-
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
-    if block_size == 1:
+    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or tol < 0):
+        raise ValueError(f"tol: expected a float >= 0 or None, got {tol!r}")
+    op = GGNOperator(net, likelihood, x, w=w, chunk_size=chunk_size)
+
+    def matvec(v: torch.Tensor) -> torch.Tensor:
+        return op.matvec(v.to(w)).to(v)
+
+    def matmat(v: torch.Tensor) -> torch.Tensor:
+        return op.matmat(v.to(w)).to(v)
+
+    if block_size == 1 and tol is not None:
+        values, vectors, _ = thick_restart_lanczos_eigh(
+            matvec, d, rank, tol=tol, max_products=max(d if num_iter is None else num_iter, 1),
+            dtype=torch.float64, device=w.device, seed=seed,
+        )
+    elif block_size == 1:
         values, vectors = lanczos_eigh(
             matvec, d, rank, num_iter=num_iter, dtype=torch.float64, device=w.device, seed=seed
         )
     else:
-
-        def matmat(v: torch.Tensor) -> torch.Tensor:
-            return ggn_matrix_product(net, likelihood, x, v.to(w), w=w, chunk_size=chunk_size)
-
         values, vectors, _ = block_lanczos_eigh(
             matmat, d, rank, min(block_size, d), d if num_iter is None else num_iter, tol,
             torch.float64, w.device, seed,
