@@ -130,7 +130,7 @@ def gather_ints(value: int) -> list[int]:
     if not active():
         return [int(value)]
     rank, size = world()
-    onehot = torch.zeros(size, dtype=torch.float64)
+    onehot = torch.zeros(size, dtype=torch.float64, device=_device())  # NCCL: on the GPU
     onehot[rank] = value
     return [int(v) for v in all_reduce_sum(onehot).tolist()]
 
