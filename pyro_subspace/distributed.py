@@ -10,6 +10,16 @@ passes is its shard: tensors (e.g. ``x[rank::world]``, see `shard`), a ``Dataset
 ``DataLoader`` with a ``DistributedSampler`` (``drop_last=True``, or ``N`` divisible by the
 number of ranks: the sampler's padding would count rows twice) or any sharded loader.
 
+Training (`fit_map` and its SWA phase, `PatchedNet.fit`) is data-parallel through the same
+``all_reduce``, not through ``DistributedDataParallel``: the trainers own their optimiser loop
+(one `minibatch.minibatch_loop`) and train parameters outside the network (a learned noise
+scale, PatchedNet's component means), so after each backward pass `reduce_gradients` replaces
+every gradient by the gradient of the mean loss over all ranks' minibatches, weighted by their
+sizes (exact, also for unequal shards; DDP's average of the ranks' means is exact only for
+equal ones). Every rank then takes the same optimiser step. `broadcast_state` gives every rank
+rank 0's starting weights first (as DDP does at construction) and `sync_buffers` keeps the
+BatchNorm running statistics equal across ranks.
+
 Without a process group (or with one rank) nothing changes. Inside `local()` the data are
 treated as each rank's full copy (no reductions), e.g. to evaluate validation data that every
 rank holds entirely.
@@ -18,10 +28,11 @@ rank holds entirely.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils.data import Dataset, Subset
 
 _LOCAL = [False]
@@ -111,3 +122,102 @@ def shard(data: object) -> object:
     if isinstance(data, Dataset):
         return Subset(data, range(rank, len(data), size))  # type: ignore[arg-type]
     raise TypeError(f"data: expected a tensor or a Dataset, got {type(data).__name__}")
+
+
+def gather_ints(value: int) -> list[int]:
+    """Every rank's ``value``, in rank order, on every rank (one ``all_reduce`` of a one-hot
+    vector); ``[value]`` without `active` reductions."""
+    if not active():
+        return [int(value)]
+    rank, size = world()
+    onehot = torch.zeros(size, dtype=torch.float64, device=_device())  # NCCL: on the GPU
+    onehot[rank] = value
+    return [int(v) for v in all_reduce_sum(onehot).tolist()]
+
+
+def _state(modules: tuple[nn.Module, ...], parameters: bool = True) -> list[torch.Tensor]:
+    """The distinct parameters (if ``parameters``) and buffers of ``modules``."""
+    seen, out = set(), []
+    for m in modules:
+        for t in (list(m.parameters()) if parameters else []) + list(m.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    return out
+
+
+@torch.no_grad()
+def broadcast_state(*modules: nn.Module) -> None:
+    """Copy rank 0's parameters and buffers of ``modules`` into every rank's, in place (one
+    ``broadcast``), as ``DistributedDataParallel`` does when it wraps a module. Without
+    `active` reductions: nothing happens."""
+    if not active():
+        return
+    tensors = _state(modules)
+    if not tensors:
+        return
+    packed = torch.cat([t.detach().to(torch.float64).reshape(-1) for t in tensors])
+    dist.broadcast(packed, src=0)
+    start = 0
+    for t in tensors:
+        t.copy_(packed[start : start + t.numel()].view(t.shape))
+        start += t.numel()
+
+
+@torch.no_grad()
+def sync_buffers(*modules: nn.Module) -> None:
+    """Make the buffers of ``modules`` equal on every rank (one ``all_reduce``): floating ones
+    (BatchNorm running means and variances) become their mean over the ranks, the others
+    (``num_batches_tracked``) rank 0's. Without `active` reductions: nothing happens.
+
+    Each rank normalises its minibatch with its own batch statistics (BatchNorm on CPU; for the
+    statistics of the global minibatch convert the net with
+    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``, which torch runs on GPUs only). The
+    averaged running mean is then the running mean over all ranks' rows (equal minibatch
+    sizes); the averaged running variance is the mean of the ranks' variances, which leaves out
+    the spread between the ranks' minibatch means (small for shuffled shards)."""
+    if not active():
+        return
+    buffers = _state(modules, parameters=False)
+    if not buffers:
+        return
+    rank, size = world()
+    parts = []
+    for b in buffers:
+        v = b.detach().to(torch.float64)
+        parts.append(
+            v / size if b.is_floating_point() else (v if rank == 0 else torch.zeros_like(v))
+        )
+    summed = all_reduce_sum(*parts)
+    for b, v in zip(buffers, summed if len(buffers) > 1 else (summed,), strict=True):
+        b.copy_(v)
+
+
+def reduce_gradients(params: Iterable[torch.Tensor], count: int, loss: float) -> tuple[int, float]:
+    """Data-parallel training: the gradient of the mean loss over all ranks' minibatches.
+
+    Called on every rank after ``loss.backward()`` of this rank's minibatch *mean* ``loss`` over
+    ``count`` rows (``count = 0``: no minibatch). Replaces each ``p.grad`` by
+    ``Σ_r B_r g_r / Σ_r B_r`` (``B_r`` the ranks' ``count``, ``g_r`` their gradients), the
+    gradient of the mean over the union of the minibatches, with one ``all_reduce`` of the
+    packed gradients; a parameter without a gradient on every rank keeps ``grad = None``, as
+    it would in one process. A non-finite ``loss`` on any rank makes the returned loss
+    non-finite on every rank, so all of them stop together.
+
+    Returns:
+        ``(Σ_r B_r, Σ_r B_r loss_r / Σ_r B_r)``: the rows and the mean loss of the global
+        minibatch (unchanged without `active` reductions).
+    """
+    if not active():
+        return count, loss
+    params = list(params)
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    has = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float64)
+    weighted = loss * count if count else 0.0
+    *summed, has, total, weighted = all_reduce_sum(
+        *[g.detach() * count for g in grads], has, float(count), float(weighted)
+    )
+    for p, g, h in zip(params, summed, has.tolist(), strict=True):
+        p.grad = g / total if h > 0 and total > 0 else None
+    total = round(total)
+    return total, (weighted / total if total else 0.0)

@@ -4,16 +4,25 @@
 (plain torch or Pyro's ``SVI``) differ only in what one step computes; the epochs, the shuffling,
 the optimiser calls, the divergence check, the per-epoch loss, the per-epoch callback and the
 progress bar live here.
+
+Data-parallel training (``data_parallel=True`` under an initialised process group, see
+`distributed`): every rank runs this loop over its own shard, in lockstep; after each backward
+pass `distributed.reduce_gradients` turns the ranks' gradients into that of the mean loss over
+all of their minibatches (one ``all_reduce``), so every rank takes the same optimiser step. A
+step on two ranks with minibatches ``b_0`` and ``b_1`` is then the step one process takes on
+the minibatch ``b_0 ∪ b_1`` (full batch: the same training, to rounding).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from . import distributed
 from .exceptions import TrainingDivergedError
 
 EPOCH_LOSSES = ("points", "batches")
@@ -47,6 +56,7 @@ def minibatch_loop(
     on_epoch: Callable[[int, float], None] | None = None,
     desc: str = "training",
     progress: bool = False,
+    data_parallel: bool = False,
 ) -> list[float]:
     """Run ``epochs`` shuffled passes over ``num_data`` points in minibatches.
 
@@ -79,6 +89,10 @@ def minibatch_loop(
         on_epoch: called as ``on_epoch(epoch, loss)`` after each epoch (``epoch`` from 0),
             e.g. to collect an SWA snapshot.
         desc, progress: a ``tqdm`` progress bar over the epochs, with the last loss.
+        data_parallel: under an initialised process group (`distributed`), reduce the
+            gradients over the ranks before each optimiser step (``step`` must return its
+            minibatch mean; needs an ``optimizer``; every rank must take equally many steps per
+            epoch, checked first). Without a process group: no effect.
 
     Returns:
         One loss per epoch.
@@ -93,37 +107,22 @@ def minibatch_loop(
     gen = shuffle_generator(None) if generator is None else generator
     bs = num_data if batch_size is None else min(batch_size, num_data)
     smallest = min(min_batch_size, num_data)
+    if data_parallel and distributed.active():  # equally many steps per rank, before any work
+        sizes = [min(bs, num_data - start) for start in range(0, num_data, bs)]
+        check_lockstep(sum(s >= smallest for s in sizes), optimizer, "batch_size")
     history: list[float] = []
     bar = tqdm(total=epochs, desc=desc, disable=not progress, leave=False, mininterval=0.5)
     try:
         for epoch in range(epochs):
             order = torch.randperm(num_data, generator=gen).to(device)
+            batches = (idx for idx in order.split(bs) if idx.numel() >= smallest)
             total, count = 0.0, 0
-            for start in range(0, num_data, bs):
-                idx = order[start : start + bs]
-                if idx.numel() < smallest:
-                    continue
-                if optimizer is not None:
-                    optimizer.zero_grad()
-                try:
-                    loss = step(idx)
-                except FloatingPointError as err:  # a step's own check (non-finite outputs)
-                    if isinstance(err, TrainingDivergedError):
-                        raise
-                    raise TrainingDivergedError(f"{err} (epoch {epoch + 1})", epoch + 1) from err
-                value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-                if not math.isfinite(value):
-                    raise TrainingDivergedError(
-                        f"{desc}: the loss became {value} at epoch {epoch + 1}; "
-                        "lower the learning rate or check the data",
-                        epoch + 1,
-                    )
-                if optimizer is not None:
-                    loss.backward()
-                    optimizer.step()
+            for value, size in take_steps(
+                step, batches, len, optimizer, epoch=epoch, desc=desc, data_parallel=data_parallel
+            ):
                 if epoch_loss == "points":
-                    total += value * idx.numel()
-                    count += idx.numel()
+                    total += value * size
+                    count += size
                 else:
                     total += value
                     count += 1
@@ -135,3 +134,79 @@ def minibatch_loop(
     finally:
         bar.close()
     return history
+
+
+def check_lockstep(steps: int, optimizer: object, argument: str) -> None:
+    """Data-parallel training: check that every rank takes ``steps`` steps per epoch (one
+    ``all_reduce``; every rank raises the same ``ValueError`` naming ``argument`` otherwise)
+    and that there is an optimiser whose gradients can be reduced."""
+    if optimizer is None:
+        raise ValueError("optimizer: data-parallel training needs a torch optimizer")
+    counts = distributed.gather_ints(steps)
+    if len(set(counts)) > 1:
+        raise ValueError(
+            f"{argument}: data-parallel training takes one step on every rank at once, but the "
+            f"ranks' shards give {counts} minibatches per epoch; use shards of equal size "
+            "(e.g. N divisible by the number of ranks) or a batch size that splits them "
+            "into equally many minibatches"
+        )
+
+
+def take_steps(
+    step: Callable[[Any], torch.Tensor | float],
+    batches: Iterable[Any],
+    size: Callable[[Any], int],
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    epoch: int,
+    desc: str,
+    data_parallel: bool = False,
+) -> Iterator[tuple[float, int]]:
+    """One epoch of steps (`minibatch_loop`'s inner loop, also used over a ``DataLoader``).
+
+    For each ``batch``: ``optimizer.zero_grad()``, ``loss = step(batch)``, the divergence
+    check, ``loss.backward()`` and ``optimizer.step()`` (without an optimizer the step updates
+    the parameters itself). With ``data_parallel`` under an active process group the gradient
+    is first reduced over the ranks (`distributed.reduce_gradients`; ``loss`` must be the
+    minibatch mean) and the check uses the loss of the global minibatch, so all ranks raise
+    together; the ranks must take equally many steps (`check_lockstep`).
+
+    Yields:
+        ``(loss, rows)`` per step: this process's minibatch, or with reductions the global one.
+    """
+    reduce = data_parallel and distributed.active()
+    params = (
+        [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+    )
+    for batch in batches:
+        if optimizer is not None:
+            optimizer.zero_grad()
+        failure = None
+        try:
+            loss = step(batch)
+        except FloatingPointError as err:  # a step's own check (non-finite outputs)
+            if not reduce:
+                if isinstance(err, TrainingDivergedError):
+                    raise
+                raise TrainingDivergedError(f"{err} (epoch {epoch + 1})", epoch + 1) from err
+            failure, loss = err, float("nan")  # the other ranks are waiting in the reduction
+        value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        rows = size(batch)
+        if reduce:
+            if math.isfinite(value):
+                loss.backward()
+            rows, value = distributed.reduce_gradients(params, rows, value)
+        if not math.isfinite(value):
+            message = f"{desc}: the loss became {value} at epoch {epoch + 1}"
+            if failure is not None:
+                message = f"{failure} (epoch {epoch + 1})"
+            elif reduce:
+                message += " (on some rank)"
+            raise TrainingDivergedError(
+                message + "; lower the learning rate or check the data", epoch + 1
+            )
+        if optimizer is not None:
+            if not reduce:
+                loss.backward()
+            optimizer.step()
+        yield value, rows

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from . import _checks as ck
+from . import distributed
 from .exceptions import TrainingDivergedError
 from .flat import Preserved, eval_mode, preserved, train_mode
 from .likelihoods import Likelihood
-from .minibatch import minibatch_loop, shuffle_generator
+from .minibatch import check_lockstep, minibatch_loop, shuffle_generator, take_steps
 from .subspaces import SWACollector
 from .threads import thread_policy
 
@@ -61,6 +60,21 @@ def fit_map(
         seed: seeds the minibatch shuffling (``None``: the seed is one draw from torch's
             global generator, so ``torch.manual_seed`` alone makes the fit reproducible).
         progress: show a ``tqdm`` progress bar.
+
+    **Data-parallel** under an initialised process group (`distributed`; ``torchrun``): each
+    rank passes its shard (`distributed.shard` of the tensors, a ``Dataset`` shard, or a
+    ``DataLoader`` with a ``DistributedSampler``, whose ``set_epoch`` is called every epoch)
+    and ``batch_size`` is per rank. The gradients are reduced with one ``all_reduce`` per step
+    through `distributed.reduce_gradients` (not ``DistributedDataParallel``: the likelihood's
+    parameters train too): every step is the step of one process on the union of the ranks'
+    minibatches, so a full-batch fit on 2 ranks with half the data each gives the weights of
+    the full-batch fit in one process (to rounding). Rank 0's starting weights are copied to
+    every rank first (`distributed.broadcast_state`); every rank must take equally many steps
+    per epoch (a ``ValueError`` before any work otherwise). BatchNorm normalises with each
+    rank's own minibatch statistics (torch's ``SyncBatchNorm``, GPU only, for global ones) and
+    its running statistics are averaged over the ranks after every epoch
+    (`distributed.sync_buffers`), so all ranks end with the same network and the same SWA
+    collector. The returned losses are the global ones. Without a process group nothing changes.
 
     Returns:
         The mean training loss of each epoch, MAP phase then SWA phase.
@@ -129,6 +143,7 @@ def fit_map(
     in_swa = False  # not `offset > 0`: the SWA phase may follow epochs=0
 
     def checkpoint(epoch: int, loss: float) -> None:
+        distributed.sync_buffers(net)  # BatchNorm statistics equal on every rank
         if not all(bool(torch.isfinite(p).all()) for p in net.parameters()):
             raise TrainingDivergedError(
                 f"fit_map: the weights became non-finite at epoch {epoch + 1}", epoch + 1
@@ -144,14 +159,14 @@ def fit_map(
         )
 
         def phase(epochs: int, opt: torch.optim.Optimizer, desc: str) -> list[float]:
-            return _loader_loop(batch_loss, loader, epochs, opt, checkpoint)
+            return _loader_loop(batch_loss, loader, epochs, opt, checkpoint, desc, offset)
     else:
         loop = dict(batch_size=batch_size, generator=gen, device=x.device, progress=progress)
 
         def phase(epochs: int, opt: torch.optim.Optimizer, desc: str) -> list[float]:
             return minibatch_loop(
                 lambda idx: batch_loss(x[idx], y[idx]), n, epochs=epochs, optimizer=opt,
-                on_epoch=checkpoint, desc=desc, **loop,
+                on_epoch=checkpoint, desc=desc, data_parallel=True, **loop,
             )  # fmt: skip
 
     history: list[float] = []
@@ -159,6 +174,7 @@ def fit_map(
     # an interrupted or failing fit leaves the user's objects as they were
     with preserved(*users, buffers="error", weights="error") as saved, train_mode(net):
         try:
+            distributed.broadcast_state(net, likelihood)  # rank 0's start, as DDP does
             history += phase(epochs, make(optimizer, lr, groups), "fit_map")
             if swa_epochs:  # the SWA phase moves the weights only; likelihood parameters stay
                 offset, in_swa = epochs, True
@@ -177,27 +193,32 @@ def fit_map(
     return history
 
 
-def _loader_loop(batch_loss, loader, epochs: int, optimizer, on_epoch) -> list[float]:
-    """Epochs over a ``DataLoader`` of ``(x, y)`` batches; the mean loss per point per epoch.
-    A non-finite loss or output raises `TrainingDivergedError` with the epoch (from 1)."""
+def _loader_loop(
+    batch_loss, loader, epochs: int, optimizer, on_epoch, desc: str, offset: int
+) -> list[float]:
+    """Epochs over a ``DataLoader`` of ``(x, y)`` batches (`take_steps`, data-parallel under a
+    process group); the mean loss per point per epoch. A ``DistributedSampler`` gets
+    ``set_epoch(offset + epoch)`` before each epoch, so that it reshuffles. A non-finite loss
+    or output raises `TrainingDivergedError` with the epoch (from 1)."""
+    if distributed.active():
+        try:
+            steps = len(loader)
+        except TypeError as err:
+            raise ValueError(
+                "x: data-parallel training needs a DataLoader with a length (the ranks step "
+                "together)"
+            ) from err
+        check_lockstep(steps, optimizer, "x")
     history = []
     for epoch in range(epochs):
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(offset + epoch)
         total, count = 0.0, 0
-        for xb, yb in loader:
-            optimizer.zero_grad()
-            try:
-                loss = batch_loss(xb, yb)
-            except TrainingDivergedError:
-                raise
-            except FloatingPointError as err:
-                raise TrainingDivergedError(str(err), epoch + 1) from err
-            if not math.isfinite(float(loss.detach())):
-                raise TrainingDivergedError(
-                    f"fit_map: the loss became {float(loss)} at epoch {epoch + 1}", epoch + 1
-                )
-            loss.backward()
-            optimizer.step()
-            total, count = total + float(loss.detach()) * len(xb), count + len(xb)
+        for value, rows in take_steps(
+            lambda batch: batch_loss(*batch), loader, lambda batch: len(batch[0]), optimizer,
+            epoch=epoch, desc=desc, data_parallel=True,
+        ):  # fmt: skip
+            total, count = total + value * rows, count + rows
         history.append(total / max(count, 1))
         on_epoch(epoch, history[-1])
     return history

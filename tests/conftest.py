@@ -31,6 +31,17 @@ def _seeded_and_clean():
     pyro.clear_param_store()
 
 
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request):
+    """Runs a test once per device: ``torch.device("cpu")`` and ``torch.device("cuda")``, the
+    latter skipped when ``torch.cuda.is_available()`` is False. A test taking it builds its
+    network and data on the CPU (same seeds) and moves them with ``.to(device)``, so the same
+    assertion checks that nothing inside creates tensors on the wrong device."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    return torch.device(request.param)
+
+
 @pytest.fixture
 def one_thread():
     """Tiny nets (and hundreds of tiny SVDs) run fastest on one thread; extra threads only

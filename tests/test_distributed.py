@@ -84,27 +84,35 @@ def compute(x, y, loader):
     return out
 
 
-def _worker(rank, port, path):
+def _job(rank):
+    """Rank ``rank``'s share of `compute`: its shard as tensors and as a DataLoader."""
+    from pyro_subspace.distributed import shard
+
+    _, _, x, y = problem()
+    data = TensorDataset(x, y)
+    sampler = DistributedSampler(data, shuffle=False)  # N divisible by WORLD: no padding
+    loader = DataLoader(data, batch_size=5, sampler=sampler)
+    return compute(shard(x), shard(y), loader)
+
+
+def _worker(rank, port, path, job):
+    """Join the gloo process group on 127.0.0.1 and run ``job(rank)`` (a dict of tensors),
+    saved by rank 0 at ``path`` (``path.format(rank=rank)`` when ``path`` holds ``{rank}``:
+    every rank saves)."""
     faulthandler.dump_traceback_later(WORKER_TIMEOUT, exit=True)  # never hang: stop with a trace
     start = time.perf_counter()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from pyro_subspace.distributed import shard
-
     dist.init_process_group(
         "gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
     )
     try:
-        _, _, x, y = problem()
-        data = TensorDataset(x, y)
-        sampler = DistributedSampler(data, shuffle=False)  # N divisible by WORLD: no padding
-        loader = DataLoader(data, batch_size=5, sampler=sampler)
-        result = compute(shard(x), shard(y), loader)
+        result = job(rank)
         result["seconds"] = torch.tensor(time.perf_counter() - start)
-        if rank == 0:
-            torch.save(result, path)
+        if rank == 0 or "{rank}" in path:
+            torch.save(result, path.format(rank=rank))
     finally:
         dist.destroy_process_group()
 
@@ -115,12 +123,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def start_distributed(path):
+def start_distributed(path, job=_job):
+    """Start `WORLD` processes running ``job`` (a module-level function) in `_worker`."""
     # fork where available: the workers skip re-importing torch and pyro (seconds on a busy
     # machine); they touch no threads of this process and start their own process group.
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     return mp.start_processes(
-        _worker, args=(_free_port(), str(path)), nprocs=WORLD, join=False, start_method=method
+        _worker, args=(_free_port(), str(path), job), nprocs=WORLD, join=False, start_method=method
     )
 
 

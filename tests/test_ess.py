@@ -134,18 +134,18 @@ def test_subsampling_plain_models_are_refused():
         EllipticalSliceSampler(subsampled).setup(0, torch.zeros(10))
 
 
-def test_chunked_likelihood_equals_unchunked_and_a_direct_computation():
+def test_chunked_likelihood_equals_unchunked_and_a_direct_computation(device):
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1))
+    net = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1)).to(device)
     model = SubspaceNet(
         net,
         subspaces.random(net, 4, seed=0),
         likelihoods.Gaussian(0.3),
         temperature=3.0,
         subsample_size=5,
-    )
-    x, y = torch.randn(103, 2), torch.randn(103)
-    t = {"t": 0.5 * torch.randn(4)}
+    ).to(device)
+    x, y = torch.randn(103, 2).to(device), torch.randn(103).to(device)
+    t = {"t": 0.5 * torch.randn(4).to(device)}
     values = []
     for chunk in (7, 50, 10_000):
         kernel = EllipticalSliceSampler(model, chunk_size=chunk)
@@ -155,15 +155,16 @@ def test_chunked_likelihood_equals_unchunked_and_a_direct_computation():
     np.testing.assert_allclose(values, direct, rtol=1e-5)
 
 
-def test_initial_params_are_respected_and_chains_start_from_their_own_prior_draws():
+def test_initial_params_are_respected_and_chains_start_from_their_own_prior_draws(device):
     model, x, y = linear_model()
+    model, x, y = model.to(device), x.to(device), y.to(device)
     kernel = EllipticalSliceSampler(model)
-    start = {"t": torch.tensor([3.0, -3.0, 3.0], dtype=torch.float64)}
+    start = {"t": torch.tensor([3.0, -3.0, 3.0], dtype=torch.float64, device=device)}
     kernel.initial_params = start
     kernel.setup(0, x, y)
     assert torch.equal(kernel.initial_params["t"], start["t"])
     with pytest.raises(ValueError, match=r"initial_params\['t'\]: expected shape \(3,\)"):
-        kernel.initial_params = {"t": torch.zeros(2, dtype=torch.float64)}
+        kernel.initial_params = {"t": torch.zeros(2, dtype=torch.float64, device=device)}
         kernel.setup(0, x, y)
     fresh = EllipticalSliceSampler(model)
     fresh.setup(0, x, y)
@@ -171,16 +172,22 @@ def test_initial_params_are_respected_and_chains_start_from_their_own_prior_draw
     fresh.cleanup()
     fresh.setup(0, x, y)
     assert not torch.equal(first, fresh.initial_params["t"])
-    # through the driver: one chain started at `start` moves along an ellipse through it
-    mcmc = MCMC(
-        EllipticalSliceSampler(model),
-        num_samples=1,
-        warmup_steps=0,
-        initial_params=start,
-        disable_progbar=True,
-    )
-    mcmc.run(x, y)
-    assert mcmc.get_samples()["t"].shape == (1, 3)
+    # through the driver: a chain started at `start` moves along ellipses through it, on the
+    # data's device, and the same seed gives the same chain
+    chains = []
+    for _ in range(2):
+        pyro.set_rng_seed(4)
+        mcmc = MCMC(
+            EllipticalSliceSampler(model),
+            num_samples=4,
+            warmup_steps=0,
+            initial_params=start,
+            disable_progbar=True,
+        )
+        mcmc.run(x, y)
+        chains.append(mcmc.get_samples()["t"])
+    assert chains[0].shape == (4, 3) and chains[0].device == device
+    assert torch.equal(chains[0], chains[1]) and not torch.equal(chains[0][0], start["t"])
 
 
 def test_worker_processes_sample_and_arviz_from_pyro_works(monkeypatch):

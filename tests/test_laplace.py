@@ -170,8 +170,9 @@ def dense_jacobian(net, x, w):
 
 
 @pytest.mark.parametrize("basis", ["index", "dense"])
-def test_subnetwork_precision_and_linearized_covariance_against_dense_jacobians(basis):
+def test_subnetwork_precision_and_linearized_covariance_against_dense_jacobians(basis, device):
     net, x, y, lik = small_classifier()
+    net, x, y = net.to(device), x.to(device), y.to(device)
     w0 = FlatNet(net).vector()
     if basis == "index":
         sub = subspaces.Subspace(w0, torch.tensor([0, 5, 13, 20, 33, 38]))
@@ -179,11 +180,12 @@ def test_subnetwork_precision_and_linearized_covariance_against_dense_jacobians(
         sub = subspaces.random(net, 4, seed=2)
     model = SubspaceNet(net, sub, lik)
     guide = AutoSubspaceLaplace(model, prior_precision=2.5, prior_mean="zero").fit(x, y)
+    assert guide.loc.device == guide.precision.device == device
     w_star = sub.weights(guide.loc)
     p = sub.dense_basis()
     expected = p.T @ dense_ggn_at(net, lik, x, w_star) @ p + 2.5 * p.T @ p
     assert torch.allclose(guide.precision, expected, rtol=1e-8, atol=1e-10)
-    x_test = torch.randn(7, 2, dtype=torch.float64)
+    x_test = torch.randn(7, 2, dtype=torch.float64).to(device)
     f_mean, f_cov = linearized_moments(guide, x_test)
     jp = dense_jacobian(net, x_test, w_star) @ p
     assert torch.allclose(f_cov, jp @ guide.covariance @ jp.transpose(1, 2), rtol=1e-8, atol=1e-12)

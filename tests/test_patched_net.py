@@ -503,16 +503,17 @@ def test_svi_training_updates_batchnorm_running_statistics_once_per_step():
     torch.testing.assert_close(bn.running_mean, pre.mean(0), atol=0.02, rtol=0.05)
 
 
-def test_vectorised_outputs_equal_the_loop_over_draws():
-    model = PatchedNet(small_bn_net(), likelihoods.Categorical(), mode="ecmp").eval()
-    x, _ = toy_batch()
+def test_vectorised_outputs_equal_the_loop_over_draws(device):
+    model = PatchedNet(small_bn_net().to(device), likelihoods.Categorical(), mode="ecmp").eval()
+    x = toy_batch()[0].to(device)
     d = model.sample_weights(6)
     w = {s.name: d[s.site] for s in model.slots}
     batched = model.outputs(w, x)
     for i in range(6):
         torch.testing.assert_close(batched[i], model.outputs({k: v[i] for k, v in w.items()}, x))
     probs = model.predictive_mean(x, 6)
-    assert probs.shape == (16, 3) and torch.allclose(probs.sum(-1), torch.ones(16))
+    assert probs.shape == (16, 3) and torch.allclose(probs.sum(-1), torch.ones(16, device=device))
+    assert batched.device == probs.device == device
 
 
 def test_svi_fit_and_gaussian_likelihood_run():

@@ -116,13 +116,13 @@ def test_normalizing_flow_guide_reaches_the_log_evidence():
     assert estimates.mean() >= log_z - 0.3  # ... and the flow makes it tight
 
 
-def test_predictive_parallel_equals_sequential_and_outputs_are_the_network_at_the_weights():
+def test_predictive_parallel_equals_sequential_and_outputs_are_the_network_at_the_weights(device):
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+    net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1)).to(device)
     sub = subspaces.random(net, 4, seed=0)
-    model = SubspaceNet(net, sub, likelihoods.Gaussian(0.2))
-    x = torch.randn(25, 2)
-    samples = {"t": torch.randn(10, 4)}
+    model = SubspaceNet(net, sub, likelihoods.Gaussian(0.2)).to(device)
+    x = torch.randn(25, 2).to(device)
+    samples = {"t": torch.randn(10, 4).to(device)}
     seq = Predictive(model, posterior_samples=samples)(x)
     par = Predictive(model, posterior_samples=samples, parallel=True)(x)
     assert seq["f"].shape == par["f"].shape == (10, 25, 1)

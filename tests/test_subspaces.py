@@ -13,21 +13,21 @@ def small_net():
     return nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2))
 
 
-def test_dense_and_index_weights_match_dense_linear_algebra():
+def test_dense_and_index_weights_match_dense_linear_algebra(device):
     d, k = 12, 4
-    shift = torch.randn(d, dtype=torch.float64)
-    basis = torch.randn(d, k, dtype=torch.float64)
-    t = torch.randn(5, 3, k, dtype=torch.float64)
+    shift = torch.randn(d, dtype=torch.float64).to(device)
+    basis = torch.randn(d, k, dtype=torch.float64).to(device)
+    t = torch.randn(5, 3, k, dtype=torch.float64).to(device)
     dense = Subspace(shift, basis)
     assert dense.rank == k and dense.dim == d and dense.kind == "dense"
     assert torch.allclose(dense.weights(t), shift + torch.einsum("dk,...k->...d", basis, t))
-    idx = torch.tensor([7, 0, 3, 11])
+    idx = torch.tensor([7, 0, 3, 11])  # on the CPU: the subspace moves it to the shift's device
     sub = Subspace(shift, idx)
-    eye = torch.eye(d, dtype=torch.float64)[:, idx]  # the (D, K) unit columns, built independently
+    eye = torch.eye(d, dtype=torch.float64, device=device)[:, idx.to(device)]  # built independently
     assert sub.kind != "dense" and sub.rank == 4
     assert torch.allclose(sub.weights(t), shift + torch.einsum("dk,...k->...d", eye, t))
     assert torch.equal(sub.dense_basis(), eye)
-    v = torch.randn(2, d, dtype=torch.float64)
+    v = torch.randn(2, d, dtype=torch.float64).to(device)
     assert torch.allclose(sub.transpose_apply(v), v @ eye)
     assert torch.allclose(dense.transpose_apply(v), v @ basis)
 
@@ -91,14 +91,17 @@ def test_weights_rejects_wrong_rank():
         Subspace(torch.zeros(4), torch.zeros(4, 2)).weights(torch.zeros(3))
 
 
-def test_random_subspace_is_seeded_unit_norm_and_shifted_at_the_weights():
-    net = small_net()
+def test_random_subspace_is_seeded_unit_norm_and_shifted_at_the_weights(device):
+    net = small_net().to(device)
     a = subspaces.random(net, 5, seed=3)
     b = subspaces.random(net, 5, seed=3)
     c = subspaces.random(net, 5, seed=4)
     assert torch.equal(a.basis, b.basis) and not torch.equal(a.basis, c.basis)
-    assert torch.allclose(a.basis.norm(dim=0), torch.ones(5), atol=1e-6)
+    assert a.basis.device == a.shift.device == device
+    assert torch.allclose(a.basis.norm(dim=0), torch.ones(5, device=device), atol=1e-6)
     assert torch.equal(a.shift, nn.utils.parameters_to_vector(net.parameters()).detach())
+    # the same directions on every device: drawn by a CPU generator, then moved
+    assert torch.equal(a.basis.cpu(), subspaces.random(small_net(), 5, seed=3).basis)
     with pytest.raises(ValueError, match="rank"):
         subspaces.random(net, 0)
 

@@ -299,17 +299,24 @@ def test_laplace_fit_on_a_smooth_net_converges_where_lbfgs_alone_stalls():
     assert float(grad.abs().max()) <= 1e-9
 
 
-def test_evaluator_hessian_is_the_dense_autograd_hessian():
+def test_evaluator_hessian_is_the_dense_autograd_hessian(device):
     guide, x, y = _laplace(torch.float64)
-    model = guide.model
+    model, x, y = guide.model.to(device), x.to(device), y.to(device)
     ev = model.evaluator(x, y, chunk_size=7)  # several chunks, summed
     t = 0.1 * torch.randn(model.rank, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    t = t.to(device)
 
     def nll(tt):
         return -model.likelihood.log_prob(model.outputs(tt, x), y).sum() / ev.temperature
 
     dense = torch.autograd.functional.hessian(nll, t)
     torch.testing.assert_close(ev.hessian(t), dense, rtol=1e-10, atol=1e-10)
+    # the GGN PᵀGP: Jᵀ J / (σ² T) from the autograd Jacobian of the outputs in t (Gaussian)
+    jac = torch.autograd.functional.jacobian(lambda tt: model.outputs(tt, x).reshape(-1), t)
+    sigma = float(model.likelihood.sigma)
+    torch.testing.assert_close(
+        ev.ggn(t), jac.T @ jac / (sigma**2 * ev.temperature), rtol=1e-10, atol=1e-12
+    )
 
 
 # ---------------------------------------------------------------- reproducibility across processes

@@ -1,5 +1,6 @@
 """Inference that Pyro lacks: kernels and guides for subspace models."""
 
+from .chains import run_chains
 from .ensembles import DeepEnsemble, MixturePredictor, TrainedEnsemble, train_ensemble
 from .ess import EllipticalSliceSampler
 from .gess import GeneralizedEllipticalSliceSampler
@@ -32,5 +33,6 @@ __all__ = [
     "linearized_moments",
     "linearized_predictive",
     "probit",
+    "run_chains",
     "train_ensemble",
 ]

@@ -284,7 +284,8 @@ class _Batch:
         self.kernel, self.loglik, self.warmup = kernel, loglik, warmup
         self.args, self.kwargs = args, kwargs
         self.size, self.opened, self.passes, self.steps = len(seeds), 0, 0, 0
-        self.model_dtype = prior.mean.dtype
+        # the chains run in NumPy on the CPU; the states and the likelihood follow the model
+        self.model_dtype, self.model_device = prior.mean.dtype, prior.mean.device
         k = mu.shape[-1]
         if prior.event_shape != (k,):
             raise ValueError(
@@ -293,18 +294,18 @@ class _Batch:
             )
         self.k, self.df = k, kernel.df
         prior_mu, prior_cov = _moments(prior)
-        self.prior_mu = prior_mu.numpy()
-        self.prior_inv = np.linalg.inv(_cholesky(prior_cov).numpy())  # L₀⁻¹
+        self.prior_mu = prior_mu.cpu().numpy()
+        self.prior_inv = np.linalg.inv(_cholesky(prior_cov).cpu().numpy())  # L₀⁻¹
         self.gens = [np.random.default_rng(int(s)) for s in seeds]
         self.evals = np.zeros(self.size, dtype=np.int64)
-        self.mu = np.repeat(mu.numpy()[None], self.size, 0)
-        self.tril = np.repeat(_cholesky(cov).numpy()[None], self.size, 0)
+        self.mu = np.repeat(mu.cpu().numpy()[None], self.size, 0)
+        self.tril = np.repeat(_cholesky(cov).cpu().numpy()[None], self.size, 0)
         self.tril_inv = np.linalg.inv(self.tril)
         if start is None:  # a draw from the reference (the prior for "warmup"/"prior")
             eps = np.stack([g.standard_normal(k) for g in self.gens])
             x = self.mu + np.einsum("cij,cj->ci", self.tril, eps)
         else:
-            x = np.broadcast_to(start.numpy().reshape(-1, k), (self.size, k)).copy()
+            x = np.broadcast_to(start.cpu().numpy().reshape(-1, k), (self.size, k)).copy()
         self.lp = self._log_target(x)
         if not np.isfinite(self.lp).all():
             raise ValueError(
@@ -312,7 +313,7 @@ class _Batch:
                 "the network's outputs and the reference"
             )
         self.x = x
-        self.states = [torch.from_numpy(x).to(self.model_dtype)]
+        self.states = [torch.from_numpy(x).to(self.model_device, self.model_dtype)]
         plain = isinstance(kernel.reference, str) and kernel.reference == "prior"
         adapt = kernel.adapt and not plain
         self.schedule = _adapt_schedule(warmup) if adapt else []
@@ -320,8 +321,8 @@ class _Batch:
     def _log_target(self, t: np.ndarray) -> np.ndarray:
         """``log p(t) + log L(t)`` ``(B,)`` (up to a constant) for ``t`` ``(B, K)``."""
         z = (t - self.prior_mu) @ self.prior_inv.T
-        loglik = self.loglik(torch.from_numpy(t).to(self.model_dtype))
-        return -0.5 * (z * z).sum(-1) + loglik.detach().double().numpy()
+        loglik = self.loglik(torch.from_numpy(t).to(self.model_device, self.model_dtype))
+        return -0.5 * (z * z).sum(-1) + loglik.detach().double().cpu().numpy()
 
     def _log_reference(self, t: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """``log R(t)`` up to a constant per chain, ``(B,)``, for chains ``idx``."""
@@ -374,7 +375,7 @@ class _Batch:
                 "shrinkages; the log-likelihood is NaN or -inf around the current state"
             )
         self.x, self.lp = new_x, new_lp
-        self.states.append(torch.from_numpy(new_x).to(self.model_dtype))
+        self.states.append(torch.from_numpy(new_x).to(self.model_device, self.model_dtype))
         self.steps = step = len(self.states) - 1
         if self.schedule and step == self.schedule[0]:
             self.schedule.pop(0)
@@ -395,10 +396,10 @@ class _Batch:
         cov = INFLATION * ((1 - SHRINKAGE) * cov + SHRINKAGE * diag)
         for c in range(self.size):
             try:
-                tril = _cholesky(cov[c]).numpy()
+                tril = _cholesky(cov[c]).cpu().numpy()
             except ValueError:
                 continue  # a degenerate window (e.g. a stuck chain): keep the old reference
-            self.mu[c], self.tril[c] = mean[c].numpy(), tril
+            self.mu[c], self.tril[c] = mean[c].cpu().numpy(), tril
             self.tril_inv[c] = np.linalg.inv(tril)
 
 
@@ -422,7 +423,8 @@ def _cholesky(cov: torch.Tensor) -> torch.Tensor:
     if cov.dim() == 1:
         cov = torch.diag(cov)
     jitter = 1e-12 * float(cov.diagonal().abs().mean())
-    factor, info = torch.linalg.cholesky_ex(cov + jitter * torch.eye(cov.shape[0], dtype=cov.dtype))
+    eye = torch.eye(cov.shape[0], dtype=cov.dtype, device=cov.device)
+    factor, info = torch.linalg.cholesky_ex(cov + jitter * eye)
     if int(info) != 0 or not bool(torch.isfinite(factor).all()):
         raise ValueError("reference: the covariance is not positive definite")
     return factor

@@ -261,7 +261,9 @@ class MixtureOfLaplace(MixturePredictor):
             if threshold is None:
                 outs = [model.outputs(guide.loc, x_val).detach() for model, guide in self.members]
                 ens = torch.einsum(
-                    "m,m...->...", self.weights, member_predictives(self.likelihoods, outs)
+                    "m,m...->...",
+                    self.weights.to(x_val.device),
+                    member_predictives(self.likelihoods, outs),
                 )
                 threshold = _accuracy(ens, y_val) - margin
             grid = grid.sort().values
@@ -305,10 +307,11 @@ class MixtureOfLaplace(MixturePredictor):
                 f_var = ju2 @ (1.0 / (e + lam))
                 comps.append(_from_moments(model.likelihood, f_mean, torch.diag_embed(f_var)))
             comp = _stack(comps)
-            loglik = self._log_prob_from(self.weights, comp, y).mean()
-            mmc = torch.tensor(math.nan, dtype=torch.float64)
+            weights = self.weights.to(comp.device)  # the members' device
+            loglik = self._log_prob_from(weights, comp, y).mean()
+            mmc = torch.tensor(math.nan, dtype=torch.float64, device=loglik.device)
             if not self.is_regression:
-                probs = torch.einsum("m,m...->...", self.weights, comp)
+                probs = torch.einsum("m,m...->...", weights, comp)
                 conf = probs if probs.dim() == 1 else probs.max(-1).values
                 mmc = (conf.maximum(1 - conf) if probs.dim() == 1 else conf).mean()
             scores.append(torch.stack([loglik, mmc]))
@@ -359,7 +362,7 @@ class MixtureOfLaplace(MixturePredictor):
                     out = model.flat(w.to(model.subspace.shift), x)
                 outs.append(out)
                 weights.append(self.weights[k].expand(num_samples) / num_samples)
-            return torch.cat(weights), member_predictives(self.likelihoods, outs)
+            return torch.cat(weights).to(x.device), member_predictives(self.likelihoods, outs)
         comps = []
         for k, (model, guide) in enumerate(self.members):
             f_mean, f_cov = self._moments(k, x, diagonal=method != "mc")

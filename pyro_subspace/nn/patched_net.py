@@ -33,7 +33,7 @@ from pyro.nn import PyroModule
 from pyro.nn.module import pyro_method
 from torch import nn
 
-from .. import _checks
+from .. import _checks, distributed
 from ..flat import FlatNet, eval_mode, preserved, train_mode
 from ..likelihoods import Likelihood, check_temperature
 from ..minibatch import minibatch_loop, shuffle_generator
@@ -374,6 +374,12 @@ class PatchedNet(PyroModule):
         parameters and the BatchNorm statistics as they were before the call
         (`flat.preserved`).
 
+        **Data-parallel** under a process group (`distributed`, ``method="torch"`` only): each
+        rank passes its shard, ``batch_size`` is per rank, ``N`` the total. All ranks take rank
+        0's random stream and state, so they draw the same assignment and noise per step (one
+        draw per global minibatch, Algorithm 1), and the gradients are all-reduced per step
+        (`distributed.reduce_gradients`, as in `fit_map`, whose docstring covers BatchNorm).
+
         Returns:
             Mean loss per data point of each epoch: for ``"torch"`` the expected NLL part of
             `negative_elbo` over ``N`` (the penalty is applied as weight decay); for ``"svi"`` the
@@ -382,17 +388,24 @@ class PatchedNet(PyroModule):
         n = _checks.check_data(self.net, x, y, self.likelihood, require_y=True)
         _checks.positive_int(epochs, "epochs"), _checks.positive_int(batch_size, "batch_size"), positive(lr, "lr")
         _checks.choice(method, "method", ("torch", "svi"))
+        if distributed.active() and method == "svi":
+            raise ValueError("method: 'svi' is not data-parallel (torch.distributed); use 'torch'")
+        local_n = n
+        if distributed.active():  # one draw per global minibatch: every rank follows rank 0's stream
+            n = sum(distributed.gather_ints(local_n))
+            distributed.share_random_stream()
         with torch.no_grad():  # check the targets against the outputs once, not every step
             probe = self.sample_outputs(x[:1], 1)[0]
-        y = self.likelihood.validate(probe.new_zeros(n, *probe.shape[1:]), y)
+        y = self.likelihood.validate(probe.new_zeros(local_n, *probe.shape[1:]), y)
         if method == "svi":  # SVI(fused_model, fused_guide, Adam, Trace_ELBO()): patch_svi
             step, optimizer = patch_svi.svi_step(self, x, y, lr), None
         else:  # negative_elbo without the penalty over N, from the flat means; eq. (7) by Adam
             step, optimizer = patch_svi.torch_step(self, x, y, lr)
         with preserved(self, self.net, buffers="error", weights="error"), train_mode(self, self.net):
+            distributed.broadcast_state(self)  # rank 0's means and buffers, as DDP does
             return minibatch_loop(
                 step,
-                n,
+                local_n,
                 epochs=epochs,
                 batch_size=batch_size,
                 generator=shuffle_generator(seed),
@@ -400,7 +413,9 @@ class PatchedNet(PyroModule):
                 device=x.device,
                 min_batch_size=2,
                 epoch_loss="batches",
+                on_epoch=lambda epoch, loss: distributed.sync_buffers(self),
                 desc="PatchedNet.fit",
+                data_parallel=True,
             )
 
     # ----------------------------------------------------------------------------------------
