@@ -205,12 +205,13 @@ def svi_step(model, x: torch.Tensor, y: torch.Tensor, lr: float):
     return step
 
 
-def torch_step(model, x: torch.Tensor, y: torch.Tensor, lr: float):
+def torch_step(model, x: torch.Tensor, y: torch.Tensor, lr: float, num_data: int | None = None):
     """`PatchedNet.fit`'s ``"torch"`` step and optimiser: `PatchedNet.negative_elbo` without the
     penalty, over ``N``, computed from the flat means (one gather), and Adam on the flat means
     with eq. (7) as per-element weight decay (`PatchedNet.weight_decays`). The same numbers as
-    the per-slot computation with one Adam group per decay value."""
-    n = x.shape[0]
+    the per-slot computation with one Adam group per decay value. ``num_data``: ``N`` when
+    ``x`` is one rank's shard (data-parallel), else ``len(x)``."""
+    n = x.shape[0] if num_data is None else num_data
     lay = patch_flat.layout(model)
     flat = patch_flat.flat_means(model)
     decays = model.weight_decays(n)

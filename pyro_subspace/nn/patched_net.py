@@ -400,7 +400,7 @@ class PatchedNet(PyroModule):
         if method == "svi":  # SVI(fused_model, fused_guide, Adam, Trace_ELBO()): patch_svi
             step, optimizer = patch_svi.svi_step(self, x, y, lr), None
         else:  # negative_elbo without the penalty over N, from the flat means; eq. (7) by Adam
-            step, optimizer = patch_svi.torch_step(self, x, y, lr)
+            step, optimizer = patch_svi.torch_step(self, x, y, lr, num_data=n)
         with preserved(self, self.net, buffers="error", weights="error"), train_mode(self, self.net):
             distributed.broadcast_state(self)  # rank 0's means and buffers, as DDP does
             return minibatch_loop(
