@@ -22,9 +22,9 @@ import subprocess
 import sys
 from functools import partial
 
+import laplace_vs_laplace_torch as bench
 import torch
 
-import laplace_vs_laplace_torch as bench
 from pyro_subspace.infer.laplace import guide as guide_module
 from pyro_subspace.nn import evaluator as evaluator_module
 
@@ -40,7 +40,7 @@ def profile_table(fn, top: int) -> str:
     lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
     start = next(i for i, ln in enumerate(lines) if "ncalls" in ln)
     total = next(ln for ln in lines if "function calls" in ln).split("in ")[-1]
-    shorten = lambda ln: ln.replace(os.path.dirname(torch.__file__) + "/", "torch/")  # noqa: E731
+    shorten = lambda ln: ln.replace(os.path.dirname(torch.__file__) + "/", "torch/")
     body = [shorten(ln).replace(os.getcwd() + "/", "") for ln in lines[start:]]
     return f"      total {total}\n" + "\n".join("      " + ln[:150] for ln in body)
 
@@ -79,7 +79,7 @@ def part_memory(args) -> None:
 
     def stage(label: str) -> None:
         peak, now = bench.peak_rss(), bench._status_bytes("VmRSS")
-        mb = lambda b: b / 2**20  # noqa: E731
+        mb = lambda b: b / 2**20
         state["rows"].append(
             f"      {label:<18} peak {mb(peak - state['base']):6.1f} MB above the stage start, "
             f"RSS {mb(now - state['start']):6.1f} MB above the fit start"
