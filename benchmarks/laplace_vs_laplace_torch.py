@@ -10,7 +10,8 @@
     into the output Hessian, laplace-torch multiplies ``Σ Jᵀ J`` by ``1/σ²/T`` afterwards) and
     the linearised (GLM) predictive ``N(f(x, ŵ), J_P Σ J_Pᵀ)``, probit-corrected for classes.
     The agreement is checked in float64 (network, data and likelihood cast), the times in
-    float32 on one thread. laplace-torch runs in its fastest configuration: every backend that
+    float32 on one thread (ours then works in float32: float32 products summed in float64 and a
+    float32 factorisation; its distance to the float64 fit is printed next to laplace-torch's). laplace-torch runs in its fastest configuration: every backend that
     works (BackPack, curvlinops — whose subnetwork path is ``torch.func.jacrev`` — and ASDL) at
     several DataLoader batch sizes is timed once after a warm-up (screening); the fastest
     configurations then race ours in ``--repeats`` interleaved rounds (best of each).
@@ -321,8 +322,19 @@ def part_a(args, Laplace) -> None:
             best = min((c for c in t_fit if c != "ours"), key=t_fit.get)
             trow["lt"], trow["config"] = t_fit[best], best
             preds["lt"] = partial(predict_theirs, task, fitted[best], xt32)
-        t_pred, _ = best_of(preds, args.repeats)
+        t_pred, pred_out = best_of(preds, args.repeats)
         trow["ours_pred"], trow["lt_pred"] = t_pred["ours"], t_pred.get("lt")
+        # float32 rounding: each library's float32 fit against our float64 one (same MAP net)
+        var = (lambda p: p[1]) if task.regression else (lambda p: p[1].diagonal(dim1=-2, dim2=-1))
+        trow["f32_ours"] = (
+            rel_norm(fitted["ours"].covariance, guide.covariance),
+            rel_elem(var(pred_out["ours"]), var(ours)),
+        )
+        if "lt" in pred_out:
+            trow["f32_lt"] = (
+                rel_norm(fitted[trow["config"]].posterior_covariance, guide.covariance),
+                rel_elem(var(pred_out["lt"]), var(ours)),
+            )
         time_rows.append(trow)
 
     def fmt(v) -> str:
@@ -379,6 +391,13 @@ def part_a(args, Laplace) -> None:
         line += f"{r['lt']:>8.3f}{r['lt'] / r['ours']:>6.1f}x{r['ours_pred']:>10.3f}"
         line += f"{r['lt_pred']:>8.3f}{r['lt_pred'] / r['ours_pred']:>6.1f}x{both:>8.1f}x"
         print(line + f"   {r['config'][0]}, batch {r['config'][1]}")
+    print("    float32 against our float64 fit (max relative difference: covariance")
+    print("    max|a-b|/max|b|, functional variances elementwise)")
+    for r in time_rows:
+        line = f"    {r['task']:<9} ours cov {r['f32_ours'][0]:.1e} f var {r['f32_ours'][1]:.1e}"
+        if "f32_lt" in r:
+            line += f"   laplace-torch cov {r['f32_lt'][0]:.1e} f var {r['f32_lt'][1]:.1e}"
+        print(line)
     if Laplace is not None and all(r.get("lt") for r in time_rows):
         both = min((r["lt"] + r["lt_pred"]) / (r["ours"] + r["ours_pred"]) for r in time_rows)
         fit = min(r["lt"] / r["ours"] for r in time_rows)

@@ -73,6 +73,98 @@ def tril_outer(scale_tril: torch.Tensor) -> torch.Tensor:
     return scale_tril @ scale_tril.mT
 
 
+def symmetrize_(a: torch.Tensor, upper: bool | None = None, block: int = 256) -> torch.Tensor:
+    """Make the square ``a`` ``(K, K)`` symmetric in place and return it: ``upper=True`` copies
+    the upper triangle onto the lower, ``False`` the lower onto the upper, ``None`` averages
+    ``(a + aᵀ)/2``. Temporaries are ``block`` rows at most, never ``K × K``."""
+    k = a.shape[-1]
+    for s in range(0, k, block):
+        e = min(s + block, k)
+        low, up, diag = a[e:, s:e], a[s:e, e:], a[s:e, s:e]
+        if upper is None:
+            mean = (low + up.T) / 2
+            low.copy_(mean)
+            up.copy_(mean.T)
+            diag.copy_((diag + diag.T) / 2)
+        elif upper:
+            low.copy_(up.T)
+            diag.copy_(diag.triu() + diag.triu(1).T)
+        else:
+            up.copy_(low.T)
+            diag.copy_(diag.tril() + diag.tril(-1).T)
+    return a
+
+
+def reverse_(a: torch.Tensor, block: int = 1 << 16) -> torch.Tensor:
+    """Reverse both indices of a contiguous square ``a`` in place (``J a J`` with ``J`` the
+    index reversal: the flat buffer read backwards); temporaries of ``block`` numbers."""
+    flat = a.view(-1)
+    n = flat.numel()
+    for s in range(0, n // 2, block):
+        e = min(s + block, n // 2)
+        head, tail = flat[s:e], flat[n - e : n - s]
+        saved = head.clone()
+        head.copy_(tail.flip(0))
+        tail.copy_(saved.flip(0))
+    return a
+
+
+#: `posterior_factors_` refuses a float32 precision whose Cholesky factor has a diagonal ratio
+#: above ``√`` this (a lower bound on its condition number, so float32 rounding could exceed
+#: about ``1e-3`` relative); the caller then factorises it in float64.
+FLOAT32_MAX_CONDITION = 1e4
+
+
+def posterior_factors_(
+    precision: torch.Tensor, scale_tril: torch.Tensor, covariance: torch.Tensor
+) -> bool:
+    """Write ``L`` (lower triangular, ``L Lᵀ = precision⁻¹``) into ``scale_tril`` and
+    ``precision⁻¹`` into ``covariance``, in place, in their dtype (float32 or float64), with no
+    ``K × K`` temporary: LAPACK ``potrf`` of the index-reversed precision ``J P J = M Mᵀ``,
+    ``trtri`` (``M⁻¹``), ``lauum`` (``M⁻ᵀ M⁻¹``); then ``L = J M⁻ᵀ J`` and
+    ``Σ = J M⁻ᵀ M⁻¹ J`` (the same ``K³`` multiplications as `precision_to_scale_tril` +
+    `tril_outer`). Returns ``False`` (buffers unspecified) when the LAPACK path does not apply
+    (not CPU, not contiguous, no SciPy), ``precision`` is not positive definite in its dtype,
+    or in float32 its condition number is evidently above `FLOAT32_MAX_CONDITION` (the squared
+    ratio of the factor's largest and smallest diagonal entries, a lower bound); the caller then
+    takes the robust route (`precision_to_scale_tril` in float64, with jitter)."""
+    bufs = (precision, scale_tril, covariance)
+    lapack = _lapack(precision)
+    if lapack is None or any(
+        not b.is_contiguous() or b.dtype != precision.dtype or b.shape != precision.shape
+        for b in bufs
+    ):
+        return False
+    single = precision.dtype == torch.float32
+    potrf = lapack.spotrf if single else lapack.dpotrf
+    trtri = lapack.strtri if single else lapack.dtrtri
+    lauum = lapack.slauum if single else lapack.dlauum
+    p, s, c = (b.detach().numpy() for b in bufs)
+    import numpy as np
+
+    np.copyto(s.reshape(-1), p.reshape(-1)[::-1])  # J P J; its Fortran view is the same matrix
+    with blas_threads():
+        # Fortran lower M with J P J = M Mᵀ (the upper triangle keeps J P J: LAPACK reads
+        # only the lower one, and `tril_` below clears it, faster than potrf's clean=1)
+        m, info = potrf(s.T, lower=1, clean=0, overwrite_a=1)
+        if info != 0 or not np.shares_memory(m, s):
+            return False
+        if single:
+            diag = np.diagonal(s)
+            if (diag.max() / diag.min()) ** 2 > FLOAT32_MAX_CONDITION:
+                return False
+        m, info = trtri(s.T, lower=1, overwrite_c=1)  # M⁻¹, lower (Fortran)
+        if info != 0 or not np.shares_memory(m, s):
+            return False
+        np.copyto(c, s)
+        out, info = lauum(c.T, lower=1, overwrite_c=1)  # M⁻ᵀ M⁻¹ on the Fortran lower triangle
+        if info != 0 or not np.shares_memory(out, c):
+            return False
+    reverse_(scale_tril).tril_()  # C order held (M⁻¹)ᵀ = M⁻ᵀ: J M⁻ᵀ J is L
+    reverse_(symmetrize_(covariance, upper=True))  # Fortran lower = C upper
+    return True
+
+
 _CONTROLLER = None
 
 
@@ -84,6 +176,15 @@ def blas_threads():
 
         _CONTROLLER = ThreadpoolController()
     return _CONTROLLER.limit(limits=torch.get_num_threads(), user_api="blas")
+
+
+def blas_module(a: torch.Tensor):
+    """SciPy's BLAS for an unbatched float CPU matrix of at least 64 rows, else ``None``."""
+    if _lapack(a) is None:
+        return None
+    from scipy.linalg import blas
+
+    return blas
 
 
 def _lapack(a: torch.Tensor):

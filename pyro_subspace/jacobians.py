@@ -29,6 +29,12 @@ from .flat import FlatNet, eval_mode
 #: 200 MB in float32, 400 MB in float64.
 MAX_JACOBIAN_NUMBERS = 50_000_000
 
+#: Budget (in numbers) for one block of selected-column Jacobians ``(rows, O, K)``
+#: (`index_jacobian_blocks`): 1M numbers is 4 MB in float32, so the peak memory of a
+#: subnetwork GGN or predictive does not grow with the chunk size or ``N``; BLAS ``syrk`` is at
+#: full speed from a few hundred rows of ``A`` on.
+INDEX_JACOBIAN_NUMBERS = 1_000_000
+
 Blocks = Iterator[tuple[torch.Tensor, torch.Tensor]]
 #: ``outputs (n, O) -> L (n, O, C)``, e.g. the factor ``H_n = L_n L_nᵀ`` of the output Hessian:
 #: a Jacobian block ``J_n P`` is then returned as ``L_nᵀ J_n P`` ``(n, C, K)``.
@@ -140,9 +146,10 @@ def linear_index_jacobians(
     """``(outputs (n, O), columns (K_lin, C, n))`` for the Linear-layer weights of ``plan``.
 
     One forward pass at ``w`` with hooks that keep each planned layer's input ``a`` ``(n, in)``
-    and output ``z`` ``(n, out)``, one backward pass batched over the ``O`` output classes for
+    and output ``z`` ``(n, out)``, one backward pass per output class for
     ``g = ∂f_c/∂z`` ``(O, n, out)``, then the products ``g[c, n, i] · a[n, j]`` (``g[c, n, i]``
-    for a bias). With a ``factor`` ``L`` ``(n, O, C)`` the backward pass seeds ``L[n, :, c]``
+    for a bias), written into one preallocated ``(K_lin, C, n)`` block. With a ``factor`` ``L``
+    ``(n, O, C)`` the backward passes seed ``L[n, :, c]``
     instead of the unit vectors, so ``L_nᵀ J_n`` comes out directly (``C`` classes). Columns
     come in the order of ``torch.cat`` over the plan's ``pos``, column-major, so that the
     transpose ``(K, C·n)`` of the GGN's ``A`` is a free reshape. Rows must not interact (eval
@@ -175,26 +182,31 @@ def linear_index_jacobians(
         seeds = torch.eye(o, dtype=out2.dtype, device=out2.device)[:, None, :].expand(o, n, o)
     else:
         seeds = factor(out2.detach()).to(out2).permute(2, 0, 1)  # shape: (C, n, O)
-    try:  # one backward pass, batched over the output classes
-        grads = torch.autograd.grad(out2, zs, seeds, is_grads_batched=True, allow_unused=True)
-    except RuntimeError:  # an op without a batching rule: one backward pass per class
-        per_class = [
-            torch.autograd.grad(out2, zs, seed, retain_graph=True, allow_unused=True)
-            for seed in seeds
-        ]
-        grads = [None if g[0] is None else torch.stack(g) for g in zip(*per_class)]
-    cols = []
-    for (name, (_, i, j)), g in zip(plan.items(), grads):
-        a = seen[name][0][0]
-        if g is None:  # the layer does not reach the outputs
-            cols.append(out2.new_zeros(i.numel(), seeds.shape[0], n))
+    # One plain backward pass per class of the scalar ``Σ seed ⊙ f``, not one batched pass
+    # (`is_grads_batched`) nor explicit grad_outputs: as fast for a few classes, and neither
+    # functorch's one-time initialisation nor the SymPy import that torch's grad_outputs
+    # checks trigger (each about 35 MB of memory on first use).
+    per_class = [
+        torch.autograd.grad(
+            (out2 * seed).sum(), zs, retain_graph=c + 1 < len(seeds), allow_unused=True
+        )
+        for c, seed in enumerate(seeds)
+    ]
+    jac = out2.new_empty(sum(i.numel() for _, i, _ in plan.values()), len(seeds), n)
+    start = 0
+    for layer, (name, (_, i, j)) in enumerate(plan.items()):
+        cols = jac[start : start + i.numel()]  # shape: (k_l, C, n), contiguous
+        start += i.numel()
+        if per_class[0][layer] is None:  # the layer does not reach the outputs
+            cols.zero_()
             continue
+        g = torch.stack([grads[layer].T for grads in per_class], 1)  # shape: (out, C, n)
         i, j = i.to(g.device), j.to(g.device)
+        a = seen[name][0][0]
         # Row gathers of contiguous rows (fast), not gathers along the last dimension.
         a1 = torch.cat([a.T, torch.ones_like(a[:, 0])[None]])  # (in + 1, n); the bias row
-        g = g.permute(2, 0, 1).contiguous().index_select(0, i)  # shape: (k_l, C, n)
-        cols.append(g.mul_(a1.index_select(0, j)[:, None, :]))
-    jac = cols[0] if len(cols) == 1 else torch.cat(cols)
+        torch.index_select(g, 0, i, out=cols)
+        cols.mul_(a1.index_select(0, j)[:, None, :])
     return out2.detach(), jac.detach()
 
 
@@ -212,7 +224,8 @@ def index_jacobian_blocks(
     Selected weights of ``nn.Linear`` layers: output-gradient × input products
     (`linear_index_jacobians`, ``O·K`` numbers per row). Any others: per-sample Jacobians
     through only the parameter tensors that hold them (``D_t`` numbers), then indexed. Blocks
-    of at most ``min(chunk_size, MAX_JACOBIAN_NUMBERS // (O·(K + D_t)))`` rows.
+    of at most ``min(chunk_size, INDEX_JACOBIAN_NUMBERS // (O·K),
+    MAX_JACOBIAN_NUMBERS // (O·(K + D_t)))`` rows.
     """
     idx = idx.to(w.device)
     plan, rest = linear_plan(flat, idx)
@@ -226,7 +239,8 @@ def index_jacobian_blocks(
         with torch.no_grad():
             o = as_2d(flat(w, x[:1])).shape[1]
         width = idx.numel() + (generic[0].numel() if generic else 0)
-        rows = max(1, MAX_JACOBIAN_NUMBERS // (o * width))
+        budget = min(MAX_JACOBIAN_NUMBERS // width, INDEX_JACOBIAN_NUMBERS // idx.numel())
+        rows = max(1, budget // o)
         rows = min(rows, chunk_size) if chunk_size is not None else rows
         in_order = generic is None and torch.equal(lin_pos, torch.arange(idx.numel()).to(lin_pos))
         for start in range(0, x.shape[0], rows):

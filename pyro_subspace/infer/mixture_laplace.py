@@ -199,7 +199,9 @@ class MixtureOfLaplace(MixturePredictor):
                 temperature=self.temperature, prior_mean=self.prior_mean,
             )  # fmt: skip
             model.set_prior_precision(self.prior_precision)
-            guide = AutoSubspaceLaplace(model, chunk_size=self.chunk_size)
+            # float64 posteriors: last layers are small (no speed to gain from float32), and
+            # the evidence weights and the far-away bound (mola_bound) use their extremes
+            guide = AutoSubspaceLaplace(model, chunk_size=self.chunk_size, dtype=torch.float64)
             guide.fit(x, y, find_map=find_map)
             self.members.append((model, guide))
         self._update_weights()
@@ -295,7 +297,7 @@ class MixtureOfLaplace(MixturePredictor):
             f_mean = torch.cat([p[0] for p in parts]).double()
             jp = torch.cat([p[1] for p in parts]).double()
             chol = torch.linalg.cholesky(guide.prior_precision_matrix(torch.tensor(1.0).double()))
-            a = torch.linalg.solve_triangular(chol, guide.ggn / guide.temperature, upper=False)
+            a = torch.linalg.solve_triangular(chol, guide.ggn.double() / guide.temperature, upper=False)
             a = torch.linalg.solve_triangular(chol, a.T.contiguous(), upper=False)
             e, u = torch.linalg.eigh((a + a.T) / 2)
             ju = jp @ torch.linalg.solve_triangular(chol.T, u, upper=True)

@@ -136,22 +136,33 @@ class Evaluator:
 
     # ------------------------------------------------------------------ curvature
 
-    def ggn(self, t: torch.Tensor, diagonal: bool = False, chunk_size: int | None = None):
+    def ggn(
+        self,
+        t: torch.Tensor,
+        diagonal: bool = False,
+        chunk_size: int | None = None,
+        dtype: torch.dtype = torch.float64,
+    ):
         """``Pᵀ G P`` ``(K, K)`` (or its diagonal ``(K,)``) at ``w = ŵ + P t``, untempered,
-        float64, from the subspace's Jacobian blocks (Subnetwork Inference eqs. 9, 15),
-        weighted by the output-Hessian factor ``H_n = L_n L_nᵀ`` inside the Jacobian pass."""
+        exactly symmetric (`Subspace.ggn_sum`), in ``dtype``, from the subspace's Jacobian blocks (Subnetwork
+        Inference eqs. 9, 15), weighted by the output-Hessian factor ``H_n = L_n L_nᵀ`` inside
+        the Jacobian pass. Float32 networks: float32 products, float64 sums (`gram`). In-memory
+        data go to the subspace in one call (its blocks bound the memory); the batches of a
+        ``DataLoader`` are summed in float64."""
         model = self.model
         w = model.subspace.weights(t).detach()
         flat = FlatNet(model.flat.net, batch_strategy="loop")
         chunk = chunk_size or self.data.chunk_size
-        total = None
         factor = model.likelihood.hessian_factor
-        for xc in self.data.inputs():
-            total = model.subspace.ggn_sum(flat, xc, w, chunk, factor, diagonal, total)
-        total = self.data.reduce(total)
-        if not diagonal:
-            total = (total + total.T) / 2
-        return total.detach().to(torch.float64)
+        if self.data.loader is None:
+            total = model.subspace.ggn_sum(flat, self.data.x, w, chunk, factor, diagonal, dtype=dtype)
+        else:
+            total = None
+            for xc in self.data.inputs():
+                total = model.subspace.ggn_sum(
+                    flat, xc, w, chunk, factor, diagonal, total, dtype=torch.float64
+                )
+        return self.data.reduce(total).detach().to(dtype)  # ggn_sum's are exactly symmetric
 
     # ------------------------------------------------------------------ BatchNorm
 

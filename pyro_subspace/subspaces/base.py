@@ -186,12 +186,15 @@ class Subspace(nn.Module):
         factor: Factor,
         diagonal: bool = False,
         total: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor | None:
         """``total + Σ_n (J_n P)ᵀ H_n (J_n P)`` over the rows of ``x`` (``(K, K)``, or its
         diagonal ``(K,)``; ``None`` for no rows), ``H_n = L_n L_nᵀ`` with ``L = factor(outputs)``
-        (Subnetwork Inference eqs. 9, 15): ``Σ AᵀA`` over the blocks ``A = L_nᵀ J_n P``."""
+        (Subnetwork Inference eqs. 9, 15): ``Σ AᵀA`` over the blocks ``A = L_nᵀ J_n P``
+        (`gram.gram_from_blocks`: float32 products summed in float64), in ``dtype`` (default
+        ``total``'s, else ``w``'s); exactly symmetric (overrides must keep that)."""
         blocks = self.jacobian_blocks(flat, x, w, chunk_size, factor)
-        return gram_from_blocks(blocks, diagonal, total)
+        return gram_from_blocks(blocks, diagonal, total, dtype)
 
     def dense_basis(self) -> torch.Tensor:
         """The basis as a dense ``(D, K)`` matrix (materialises index selections: use sparingly)."""

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from .._linalg import symmetrize_
 from ..flat import FlatNet, eval_mode
 from ..jacobians import Blocks, as_2d, weighted
 from .base import IndexSubspace
@@ -98,10 +99,11 @@ class LastLayerSubspace(IndexSubspace):
         """``J_n P`` from the features: ``(J P)_{c, rows[c, p]} = φ̃_p``, zero elsewhere."""
         return weighted(self._feature_jacobians(flat, x, w, chunk_size), factor)
 
-    def ggn_sum(self, flat, x, w, chunk_size, factor, diagonal=False, total=None):
+    def ggn_sum(self, flat, x, w, chunk_size, factor, diagonal=False, total=None, dtype=None):
         """The closed form ``G_(c,p),(d,q) = Σ_n H_n[c, d] φ̃_np φ̃_nq`` (Kristiadi et al., 2020;
         ``J`` is ``δ_cc' φ̃``): one ``(C²·P̃, n) × (n, P̃)`` product per chunk, ``C`` times fewer
-        multiplications than ``Σ AᵀA`` over ``A = L_nᵀ J_n P`` ``(n·C, C·P̃)``."""
+        multiplications than ``Σ AᵀA`` over ``A = L_nᵀ J_n P`` ``(n·C, C·P̃)``; summed over the
+        chunks in float64, returned in ``dtype`` (default ``total``'s, else ``w``'s)."""
         c, p = self.rows.shape
         g4 = None
         for out, phi in self.feature_blocks(flat, x, w, chunk_size):
@@ -109,15 +111,17 @@ class LastLayerSubspace(IndexSubspace):
             h = fac @ fac.mT  # shape: (n, C, C)
             hphi = (h[:, :, :, None] * phi[:, None, None, :]).reshape(phi.shape[0], -1)
             part = (hphi.T @ phi).reshape(c, c, p, p)  # [c, d, p, q]
-            g4 = part if g4 is None else g4 + part
+            g4 = part.double() if g4 is None else g4.add_(part)  # float64 sums
         if g4 is None:
             return total
+        g4 = g4.to(dtype or (total.dtype if total is not None else phi.dtype))
         if diagonal:
             part = g4.new_zeros(self.rank)
             part[self.rows] = g4.diagonal(dim1=0, dim2=1).diagonal(dim1=0, dim2=1)
         else:
             part = g4.new_zeros(self.rank, self.rank)
             part[self.rows[:, None, :, None], self.rows[None, :, None, :]] = g4
+            symmetrize_(part)  # exactly symmetric, as the generic Σ AᵀA
         return part if total is None else total + part
 
     def _feature_jacobians(self, flat, x, w, chunk_size) -> Blocks:

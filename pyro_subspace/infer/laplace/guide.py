@@ -14,7 +14,6 @@ With an index basis this is the paper's full-covariance subnetwork Laplace; with
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 
 import pyro
@@ -22,14 +21,17 @@ import torch
 from pyro.infer.autoguide import AutoContinuous, AutoGuide
 
 from ... import _checks as ck
+from ..._linalg import symmetrize_
 from ...data import DataSource
-from ...exceptions import ConvergenceWarning
 from ...nn import SubspaceNet
 from ...nn.evaluator import Evaluator
+from .map_search import _find_map, _newton, _warn_unconverged
 from .predictive import linearized_predictive
 from .structures import make_structure
 
 PRIOR_MEANS = ("shift", "zero")
+#: The buffers of the curvature and the posterior, in the guide's ``dtype``.
+POSTERIOR_BUFFERS = ("ggn", "precision", "covariance", "scale_tril")
 
 
 class AutoSubspaceLaplace(AutoContinuous):
@@ -55,11 +57,19 @@ class AutoSubspaceLaplace(AutoContinuous):
         chunk_size: rows of data per Jacobian block.
         rank: ``k`` of ``"lowrank"`` (top-``k`` GGN eigenpairs plus the prior as an isotropic
             remainder, `lowrank.LowRankStructure`), ``1 <= k <= K``; default ``min(K, 10)``.
+        dtype: of the ``(K, K)`` buffers of the full structure (``ggn``, ``precision``,
+            ``covariance``, ``scale_tril``): ``None`` the network's, so a float32 network gets
+            float32 Jacobian products summed in float64 and a float32 factorisation (as fast and
+            half as large as float64; relative rounding about ``1e-7`` times the precision's
+            condition number), a float64 network float64 throughout; ``torch.float64`` forces
+            float64. A precision that is not positive definite in float32 is factorised in
+            float64. The other structures are float64.
 
-    After `fit`: ``loc`` ``(K,) = t*``, ``precision`` (``(K, K)``, ``(K,)`` for diag, packed
-    ``(K+1, k+1)`` for lowrank: `lowrank.unpack`), ``covariance``, ``scale_tril`` (its factor),
-    ``ggn``, all float64. Every draw (`forward`, `sample_weights`, ``Predictive``) and the
-    linearised predictive use this one ``Σ``.
+    After `fit`: ``loc`` ``(K,) = t*`` (float64), ``precision`` (``(K, K)``, ``(K,)`` for diag,
+    packed ``(K+1, k+1)`` for lowrank: `lowrank.unpack`), ``covariance``, ``scale_tril`` (its
+    factor), ``ggn``, in ``dtype`` (above). Every draw (`forward`, `sample_weights`,
+    ``Predictive``) and the linearised predictive use this one ``Σ``. Before `fit` these four
+    buffers are zeros that take no memory (materialised by `fit` or ``load_state_dict``).
 
     Example:
         >>> x, y = torch.randn(30, 2), torch.randn(30)
@@ -81,9 +91,12 @@ class AutoSubspaceLaplace(AutoContinuous):
         hessian_structure: str = "full",
         chunk_size: int = 1024,
         rank: int | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(model, SubspaceNet):
             raise TypeError(f"model: expected a SubspaceNet, got {type(model).__name__}")
+        if dtype not in (None, torch.float32, torch.float64):
+            raise ValueError(f"dtype: expected None, torch.float32 or torch.float64, got {dtype!r}")
         if prior_mean is not None and prior_mean not in PRIOR_MEANS:
             raise ValueError(f"prior_mean: expected one of {PRIOR_MEANS}, got {prior_mean!r}")
         structure = make_structure(hessian_structure, rank, model.rank)
@@ -105,8 +118,14 @@ class AutoSubspaceLaplace(AutoContinuous):
         self.rescale_prior = bool(rescale_prior)
         f64 = {"dtype": torch.float64, "device": sub.shift.device}
         shape = structure.shape(k)
-        for name in ("ggn", "precision", "covariance", "scale_tril"):
-            self.register_buffer(name, torch.zeros(shape, **f64))
+        if hessian_structure != "full":
+            dtype = torch.float64
+        elif dtype is None:
+            net_dtype = sub.shift.dtype
+            dtype = net_dtype if net_dtype in (torch.float32, torch.float64) else torch.float32
+        for name in POSTERIOR_BUFFERS:  # zeros without memory until fit (`_materialized`)
+            zero = torch.zeros((), dtype=dtype, device=sub.shift.device)
+            self.register_buffer(name, zero.expand(shape))
         self.register_buffer("loc", torch.zeros(k, **f64))
         self.register_buffer("map_log_likelihood", torch.zeros((), **f64))
         # temperature, number of data, RSS and observations of the fit; temperature 0 = unfitted
@@ -127,7 +146,7 @@ class AutoSubspaceLaplace(AutoContinuous):
     def get_posterior(self, *args: object, **kwargs: object):
         """``N(t*, Σ)`` over the packed latent ``t``, event shape ``(K,)``, float64."""
         self._check_fitted()
-        return self.structure.distribution(self.loc, self.scale_tril)
+        return self.structure.distribution(self.loc, self.scale_tril.to(self.loc.dtype))
 
     def sample_latent(self, *args: object, **kwargs: object) -> torch.Tensor:
         self._check_fitted()
@@ -173,6 +192,21 @@ class AutoSubspaceLaplace(AutoContinuous):
         lam = self.prior_precision if prior_precision is None else prior_precision
         lam = torch.as_tensor(lam, dtype=torch.float64, device=self.loc.device)
         return self.structure.prior_matrix(lam, self.model)
+
+    def _materialized(self, name: str) -> torch.Tensor:
+        """The buffer ``name`` as a contiguous tensor to write into: itself once it is one (a
+        refit overwrites it in place, as ``copy_`` would), else new memory."""
+        buf = self._buffers[name]
+        if not buf.is_contiguous():  # the zero-stride zeros of an unfitted guide
+            buf = torch.empty(buf.shape, dtype=buf.dtype, device=buf.device)
+            self._buffers[name] = buf
+        return buf
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        for name in POSTERIOR_BUFFERS:  # copy_ needs memory to write into
+            if not self._buffers[name].is_contiguous():
+                self._materialized(name).zero_()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _check_fitted(self) -> None:
         if not self.fitted:
@@ -243,7 +277,7 @@ class AutoSubspaceLaplace(AutoContinuous):
             dtype = self.model.subspace.shift.dtype
             _warn_unconverged(grad, tol, iterations, max_iter if used_up else None, dtype)
         self.loc.copy_(t.detach())
-        self.ggn.copy_(self.structure.curvature(ev, t))
+        self.ggn = self.structure.curvature(ev, t, dtype=self._buffers_dtype).detach()
         loglik, sse, count = ev.map_statistics(t) if has_targets else (math.nan, 0.0, 0)
         self.map_log_likelihood.fill_(loglik)
         self.fit_statistics.copy_(
@@ -263,13 +297,23 @@ class AutoSubspaceLaplace(AutoContinuous):
             return t_new, grad_new
         return t, grad
 
+    @property
+    def _buffers_dtype(self) -> torch.dtype:
+        return self._buffers["precision"].dtype
+
     def _set_posterior(self, prior_precision: torch.Tensor | None = None) -> None:
         s = self.structure
+        out = [self._materialized(name) for name in ("precision", "scale_tril", "covariance")]
+        if s.name == "full":  # in place, in the buffers' dtype, no (K, K) temporaries
+            lam = self.prior_precision if prior_precision is None else prior_precision
+            lam = torch.as_tensor(lam, dtype=torch.float64, device=self.loc.device)
+            s.posterior_(self.ggn, self.temperature, lam, self.model, *out)
+            return
         precision = s.precision(self.ggn, self.temperature, self.prior_precision_matrix(prior_precision))
         factor = s.factor(precision)
-        self.precision.copy_(precision)
-        self.scale_tril.copy_(factor)
-        self.covariance.copy_(s.covariance(factor))
+        out[0].copy_(precision)
+        out[1].copy_(factor)
+        out[2].copy_(s.covariance(factor))
 
     # ------------------------------------------------------------------ draws and predictives
 
@@ -305,7 +349,7 @@ class AutoSubspaceLaplace(AutoContinuous):
             raise RuntimeError("log_marginal_likelihood: fit(x, y) with targets first")
         lam = self.prior_precision if prior_precision is None else prior_precision
         lam = torch.as_tensor(lam, dtype=torch.float64, device=self.loc.device)
-        ggn, loglik = self.ggn, self.map_log_likelihood
+        ggn, loglik = self.ggn.double(), self.map_log_likelihood
         if sigma is not None:
             sigma0 = self._scalar_sigma()
             sigma = torch.as_tensor(sigma, dtype=torch.float64, device=self.loc.device)
@@ -338,7 +382,7 @@ class AutoSubspaceLaplace(AutoContinuous):
         key = (self.ggn.data_ptr(), self.ggn._version)
         cached = self.__dict__.get("_eig_cache")
         if cached is None or cached[0] != key:
-            g = torch.linalg.eigvalsh((self.ggn + self.ggn.T) / 2).clamp_min(0)
+            g = torch.linalg.eigvalsh(symmetrize_(self.ggn.to(torch.float64, copy=True))).clamp_min(0)
             self.__dict__["_eig_cache"] = cached = (key, g)
         return cached[1]
 
@@ -398,79 +442,6 @@ class FullPrior:
         if not math.isfinite(total):
             raise FloatingPointError("fit: the negative log joint is not finite at the MAP search")
         return total, grad + lam_d
-
-
-def _find_map(
-    objective: Callable, t: torch.Tensor, max_iter: int, tol: float
-) -> tuple[torch.Tensor, int, bool]:
-    """L-BFGS with a strong-Wolfe line search on ``objective(t) -> (loss, grad)``; returns the
-    point, the iterations run and whether the budget (iterations or evaluations) ran out."""
-    t = t.clone().requires_grad_(True)
-    opt = torch.optim.LBFGS(
-        [t], max_iter=max_iter, tolerance_grad=tol, tolerance_change=1e-15, history_size=20,
-        line_search_fn="strong_wolfe",
-    )  # fmt: skip
-
-    def closure() -> torch.Tensor:
-        loss, t.grad = objective(t)
-        return torch.tensor(loss, dtype=torch.float64)
-
-    opt.step(closure)
-    state = opt.state[opt._params[0]]
-    iterations, evaluations = int(state.get("n_iter", 0)), int(state.get("func_evals", 0))
-    used_up = iterations >= max_iter or evaluations >= opt.defaults["max_eval"]
-    return t.detach(), iterations, used_up
-
-
-def _newton(
-    objective: Callable, t: torch.Tensor, grad: torch.Tensor, ev, prior, steps: int, tol: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to ``steps`` Newton steps ``t − (∇²nll + Λ₀)⁻¹ ∇`` while a gradient entry exceeds
-    ``tol``; a step is kept only if the loss does not rise beyond rounding and the largest
-    gradient entry falls (near a minimum the loss no longer resolves the decrease, the
-    gradient does). Stops at the first refused step or non-positive-definite Hessian."""
-    loss = objective(t)[0]
-    for _ in range(steps):
-        if float(grad.abs().max()) <= tol:
-            break
-        hessian = ev.hessian(t) + prior.matrix
-        chol, info = torch.linalg.cholesky_ex(hessian)
-        if info != 0:  # not at a minimum's basin: leave it to the warning
-            break
-        t_new = t - torch.cholesky_solve(grad[:, None], chol)[:, 0]
-        loss_new, grad_new = objective(t_new)
-        if loss_new > loss + 1e-12 * (1 + abs(loss)) or grad_new.abs().max() >= grad.abs().max():
-            break
-        t, grad, loss = t_new, grad_new, loss_new
-    return t, grad
-
-
-def _warn_unconverged(
-    grad: torch.Tensor, tol: float, iterations: int, max_iter: int | None, dtype: torch.dtype
-) -> None:
-    """Warn (`ConvergenceWarning`) unless every gradient entry at ``t*`` is below ``tol``;
-    ``max_iter`` is given when the search ran out of its budget."""
-    reached = float(grad.abs().max())
-    if reached <= tol:
-        return
-    if max_iter is not None:
-        why = f"the budget of max_iter={max_iter} iterations ran out"
-        how = "raise max_iter (e.g. fit(x, y, max_iter=5000)) or newton_steps"
-    elif dtype != torch.float64:
-        why = f"the loss stopped decreasing in {dtype} after {iterations} iterations"
-        how = "fit a float64 network (net.double() with float64 x and y): float32 rounding"
-        how += " keeps the gradient far above tol"
-    else:
-        why = f"no further decrease at float64 resolution after {iterations} iterations"
-        how = "the loss is flat or not smooth near t* (ReLU kinks: a minimum there need not"
-        how += " have a zero gradient); a smooth activation or a last-layer subspace helps"
-    warnings.warn(
-        f"fit: the MAP search did not converge: largest gradient entry {reached:.3g} > "
-        f"tol={tol:g} ({why}); t* and the posterior around it are approximate. Fix: "
-        f"{how}; or loosen tol",
-        ConvergenceWarning,
-        stacklevel=3,
-    )
 
 
 def _check_precision(value: object, k: int) -> torch.Tensor:

@@ -88,7 +88,9 @@ class LowRankStructure:
         """GGN-vector products Lanczos would use for ``K = dim`` coordinates."""
         return self.num_iter or min(dim, max(2 * self.rank + 20, 3 * self.rank))
 
-    def curvature(self, evaluator, t: torch.Tensor) -> torch.Tensor:
+    def curvature(
+        self, evaluator, t: torch.Tensor, dtype: torch.dtype = torch.float64
+    ) -> torch.Tensor:
         """Top-``k`` eigenpairs of ``PᵀGP`` (untempered) at ``w = ŵ + P t``, packed with
         ``δ = 0``: Lanczos on ``v ↦ Pᵀ G (P v)`` over the evaluator's data in chunks.
 
@@ -103,7 +105,7 @@ class LowRankStructure:
             values, vectors = torch.linalg.eigh(evaluator.ggn(t))
             values, vectors = values.flip(0)[: self.rank], vectors.flip(1)[:, : self.rank]
             values = values.clamp_min(0)
-            return pack(values.new_zeros(sub.rank), vectors, values)
+            return pack(values.new_zeros(sub.rank), vectors, values).to(dtype)
         w = sub.weights(t).detach()
 
         def matvec(v: torch.Tensor) -> torch.Tensor:
@@ -118,7 +120,7 @@ class LowRankStructure:
             device=w.device, seed=self.seed,
         )  # fmt: skip
         values = values.clamp_min(0)
-        return pack(values.new_zeros(sub.rank), vectors, values)
+        return pack(values.new_zeros(sub.rank), vectors, values).to(dtype)
 
     @staticmethod
     def scale_curvature(curv: torch.Tensor, c: torch.Tensor | float) -> torch.Tensor:

@@ -46,7 +46,8 @@ def linearized_moments(
             probit and regression predictives use).
 
     Returns:
-        ``f_mean`` ``(N, O)`` and ``f_cov`` ``(N, O, O)``, float64.
+        ``f_mean`` ``(N, O)`` and ``f_cov`` ``(N, O, O)``, float64 (``J_P Σ J_Pᵀ`` is computed
+        in ``Σ``'s dtype: float32 for a float32 network's full structure, `AutoSubspaceLaplace`).
     """
     _check_guide(guide)
     guide.model.check_data(x)
@@ -58,14 +59,21 @@ def linearized_moments(
     flat = FlatNet(model.flat.net, batch_strategy="loop")
     means, covs = [], []
     sub = model.subspace
+    dtype = sigma.dtype  # J Σ Jᵀ in Σ's dtype (the guide's: the network's for "full")
     if hasattr(sub, "feature_blocks"):  # a last layer: J from the penultimate features
         for out, phi in sub.feature_blocks(flat, x, w, chunk):
             means.append(out.double())
-            covs.append(s.feature_covariance(phi.double(), sub.rows, sigma, diagonal))
+            covs.append(s.feature_covariance(phi.to(dtype), sub.rows, sigma, diagonal).double())
     else:
+        # the full structure's own Σ: (J_P L)(J_P L)ᵀ with its triangular L (BLAS trmm)
+        by_factor = covariance is None and hasattr(s, "functional_covariance_from_factor")
         for out, jp in sub.jacobian_blocks(flat, x, w, chunk):
             means.append(out.double())
-            covs.append(s.functional_covariance(jp.double(), sigma))
+            if by_factor:
+                covs.append(s.functional_covariance_from_factor(jp.to(dtype), guide.scale_tril))
+            else:
+                covs.append(s.functional_covariance(jp.to(dtype), sigma))
+            covs[-1] = covs[-1].double()
     return torch.cat(means), torch.cat(covs)
 
 

@@ -18,7 +18,16 @@ from __future__ import annotations
 
 import torch
 
-from ..._linalg import cholesky, logdet, precision_to_scale_tril, tril_outer
+from ..._linalg import (
+    blas_module,
+    blas_threads,
+    cholesky,
+    logdet,
+    posterior_factors_,
+    precision_to_scale_tril,
+    symmetrize_,
+    tril_outer,
+)
 from .lowrank import LowRankStructure
 
 
@@ -28,8 +37,8 @@ class FullStructure:
     name = "full"
 
     @staticmethod
-    def curvature(evaluator, t: torch.Tensor) -> torch.Tensor:
-        return evaluator.ggn(t)
+    def curvature(evaluator, t: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        return evaluator.ggn(t, dtype=dtype)
 
     @staticmethod
     def prior_matrix(lam: torch.Tensor, model) -> torch.Tensor:
@@ -58,6 +67,45 @@ class FullStructure:
         return (p + p.T) / 2
 
     @staticmethod
+    def posterior_(
+        curv: torch.Tensor,
+        temperature: float,
+        lam: torch.Tensor,
+        model,
+        precision: torch.Tensor,
+        scale_tril: torch.Tensor,
+        covariance: torch.Tensor,
+    ) -> None:
+        """Write ``Σ⁻¹ = curv/T + Λ₀`` (``Λ₀ = λ PᵀP``, ``λ I`` for an index basis, or
+        ``diag(λ)``), its scale ``L`` and ``Σ`` into the three ``(K, K)`` buffers, in their
+        dtype, without ``(K, K)`` temporaries on CPU (`_linalg.posterior_factors_`). A precision
+        that does not factorise so (not positive definite or evidently ill-conditioned in
+        float32, or off CPU) is formed again in float64 from ``curv`` and factorised there, with
+        jitter if needed (`_linalg.precision_to_scale_tril`); the buffers get the result."""
+
+        def fill(p: torch.Tensor) -> torch.Tensor:
+            if curv.dtype == p.dtype:
+                torch.div(curv, temperature, out=p)
+            else:
+                p.copy_(curv).div_(temperature)
+            if lam.dim() == 1 or model.prior_gram.numel() == 0:  # diag(λ) or λ I
+                p.diagonal().add_(lam.to(p.dtype).expand(p.shape[0]))
+            else:
+                p.add_(lam * model.prior_gram_matrix())
+                symmetrize_(p)
+            return p
+
+        if posterior_factors_(fill(precision), scale_tril, covariance):
+            return
+        p64 = precision  # float32: formed again in float64, so a small λ is not rounded away
+        if precision.dtype != torch.float64:
+            p64 = fill(torch.empty_like(precision, dtype=torch.float64))
+            precision.copy_(p64)
+        factor = precision_to_scale_tril(p64)
+        scale_tril.copy_(factor)
+        covariance.copy_(tril_outer(factor))
+
+    @staticmethod
     def factor(precision: torch.Tensor) -> torch.Tensor:
         """``L`` lower-triangular with ``L Lᵀ = Σ``."""
         return precision_to_scale_tril(precision)
@@ -68,8 +116,32 @@ class FullStructure:
 
     @staticmethod
     def functional_covariance(jp: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
-        """``J_P Σ J_Pᵀ`` ``(n, O, O)`` from ``J_P`` ``(n, O, K)``."""
-        return torch.einsum("nok,kj,npj->nop", jp, cov, jp)
+        """``J_P Σ J_Pᵀ`` ``(n, O, O)`` from ``J_P`` ``(n, O, K)``: one ``(n·O, K) × (K, K)``
+        matrix multiply, then ``n`` small ``(O, K) × (K, O)`` ones."""
+        n, o, k = jp.shape
+        js = (jp.reshape(n * o, k) @ cov).view(n, o, k)
+        return torch.bmm(js, jp.mT)
+
+    @staticmethod
+    def functional_covariance_from_factor(jp: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        """``(J_P L)(J_P L)ᵀ = J_P Σ J_Pᵀ`` ``(n, O, O)`` from ``J_P`` ``(n, O, K)`` and the
+        lower-triangular scale ``L``: BLAS ``trmm`` on CPU (half the multiplications of
+        ``J_P Σ``), overwriting ``jp`` when it is a column-major block (as the Jacobian blocks
+        of a subnetwork are); positive semi-definite by construction."""
+        n, o, k = jp.shape
+        cols = jp.permute(2, 1, 0)  # shape: (K, O, n)
+        blas = blas_module(factor)
+        if blas is None or jp.dtype != factor.dtype:
+            m = (jp.reshape(n * o, k) @ factor).view(n, o, k)
+            return torch.bmm(m, m.mT)
+        if not cols.is_contiguous():
+            cols = cols.contiguous()
+        b = cols.detach().numpy().reshape(k, o * n).T  # J_P rows (O·n, K), Fortran-ordered
+        trmm = blas.strmm if factor.dtype == torch.float32 else blas.dtrmm
+        with blas_threads():  # b ← b Lᵀᵀ: the Fortran view of the C-ordered L is Lᵀ
+            out = trmm(1.0, factor.detach().numpy().T, b, side=1, lower=0, trans_a=1, overwrite_b=1)
+        m = torch.from_numpy(out.T.reshape(k, o, n)).permute(2, 1, 0).contiguous()  # (n, O, K)
+        return torch.bmm(m, m.mT)
 
     @staticmethod
     def feature_covariance(phi: torch.Tensor, rows: torch.Tensor, cov: torch.Tensor, diagonal: bool):
@@ -82,7 +154,7 @@ class FullStructure:
 
     @staticmethod
     def draw(factor: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-        return eps @ factor.T
+        return eps.to(factor.dtype) @ factor.T
 
     @staticmethod
     def distribution(loc: torch.Tensor, factor: torch.Tensor):
@@ -110,8 +182,8 @@ class DiagonalStructure:
     name = "diag"
 
     @staticmethod
-    def curvature(evaluator, t: torch.Tensor) -> torch.Tensor:
-        return evaluator.ggn(t, diagonal=True)
+    def curvature(evaluator, t: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        return evaluator.ggn(t, diagonal=True, dtype=dtype)
 
     @staticmethod
     def prior_matrix(lam: torch.Tensor, model) -> torch.Tensor:
