@@ -210,3 +210,34 @@ def take_steps(
                 loss.backward()
             optimizer.step()
         yield value, rows
+
+
+def loader_loop(
+    batch_loss, loader, epochs: int, optimizer, on_epoch, desc: str, offset: int = 0
+) -> list[float]:
+    """Epochs over a ``DataLoader`` of ``(x, y)`` batches, ``batch_loss(x_b, y_b)`` per step (`take_steps`, data-parallel under a
+    process group); the mean loss per point per epoch. A ``DistributedSampler`` gets
+    ``set_epoch(offset + epoch)`` before each epoch, so that it reshuffles. A non-finite loss
+    or output raises `TrainingDivergedError` with the epoch (from 1)."""
+    if distributed.active():
+        try:
+            steps = len(loader)
+        except TypeError as err:
+            raise ValueError(
+                "x: data-parallel training needs a DataLoader with a length (the ranks step "
+                "together)"
+            ) from err
+        check_lockstep(steps, optimizer, "x")
+    history = []
+    for epoch in range(epochs):
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(offset + epoch)
+        total, count = 0.0, 0
+        for value, rows in take_steps(
+            lambda batch: batch_loss(*batch), loader, lambda batch: len(batch[0]), optimizer,
+            epoch=epoch, desc=desc, data_parallel=True,
+        ):  # fmt: skip
+            total, count = total + value * rows, count + rows
+        history.append(total / max(count, 1))
+        on_epoch(epoch, history[-1])
+    return history

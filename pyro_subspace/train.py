@@ -11,7 +11,7 @@ from . import distributed
 from .exceptions import TrainingDivergedError
 from .flat import Preserved, eval_mode, preserved, train_mode
 from .likelihoods import Likelihood
-from .minibatch import check_lockstep, minibatch_loop, shuffle_generator, take_steps
+from .minibatch import loader_loop, minibatch_loop, shuffle_generator
 from .subspaces import SWACollector
 from .threads import thread_policy
 
@@ -159,7 +159,9 @@ def fit_map(
         )
 
         def phase(epochs: int, opt: torch.optim.Optimizer, desc: str) -> list[float]:
-            return _loader_loop(batch_loss, loader, epochs, opt, checkpoint, desc, offset)
+            return loader_loop(
+                lambda xb, yb: batch_loss(xb, yb), loader, epochs, opt, checkpoint, desc, offset
+            )
     else:
         loop = dict(batch_size=batch_size, generator=gen, device=x.device, progress=progress)
 
@@ -190,35 +192,4 @@ def fit_map(
                 epoch,
                 good,
             ) from err
-    return history
-
-
-def _loader_loop(
-    batch_loss, loader, epochs: int, optimizer, on_epoch, desc: str, offset: int
-) -> list[float]:
-    """Epochs over a ``DataLoader`` of ``(x, y)`` batches (`take_steps`, data-parallel under a
-    process group); the mean loss per point per epoch. A ``DistributedSampler`` gets
-    ``set_epoch(offset + epoch)`` before each epoch, so that it reshuffles. A non-finite loss
-    or output raises `TrainingDivergedError` with the epoch (from 1)."""
-    if distributed.active():
-        try:
-            steps = len(loader)
-        except TypeError as err:
-            raise ValueError(
-                "x: data-parallel training needs a DataLoader with a length (the ranks step "
-                "together)"
-            ) from err
-        check_lockstep(steps, optimizer, "x")
-    history = []
-    for epoch in range(epochs):
-        if hasattr(loader.sampler, "set_epoch"):
-            loader.sampler.set_epoch(offset + epoch)
-        total, count = 0.0, 0
-        for value, rows in take_steps(
-            lambda batch: batch_loss(*batch), loader, lambda batch: len(batch[0]), optimizer,
-            epoch=epoch, desc=desc, data_parallel=True,
-        ):  # fmt: skip
-            total, count = total + value * rows, count + rows
-        history.append(total / max(count, 1))
-        on_epoch(epoch, history[-1])
     return history

@@ -8,6 +8,7 @@ equal to the same rounding).
 import copy
 
 import pyro
+import pytest
 import torch
 from pyro.infer import MCMC
 from torch import nn
@@ -91,3 +92,37 @@ def test_fit_map_streams():
     same(h2, h1)
     for p, q in zip(nets[1].parameters(), nets[0].parameters(), strict=True):
         same(p.detach(), q.detach())
+
+
+def test_patched_net_fit_streams():
+    """Full batch, a Dataset gives the tensor fit in both methods (the same draws; only the
+    order of the rows inside the batch differs: the DataLoader shuffles with its own draws);
+    bad targets in a DataLoader are named, and the failed fit leaves the model unchanged."""
+    from pyro_subspace import PatchedNet
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(48, 3, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (48,), generator=gen)
+
+    def make():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 3))
+        return PatchedNet(net.double(), likelihoods.Categorical(), mode="ecmp")
+
+    for method in ("torch", "svi"):
+        models, histories = [make(), make()], []
+        for model, data in zip(models, [(x, y), (TensorDataset(x, y), None)], strict=True):
+            pyro.clear_param_store()
+            torch.manual_seed(5)  # the patch draws
+            histories.append(model.fit(*data, epochs=3, batch_size=48, seed=1, method=method))
+        same(histories[1], histories[0])
+        for (k, p), q in zip(models[1].state_dict().items(), models[0].state_dict().values()):
+            if p.is_floating_point():
+                same(p, q)
+    model = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loader = DataLoader(TensorDataset(x, y + 5), batch_size=16)  # class 5..7 of 3
+    with pytest.raises(ValueError, match="y"):
+        model.fit(loader, epochs=1)
+    for k, v in model.state_dict().items():  # the failed fit left the model as it was
+        assert torch.equal(v, before[k]), k

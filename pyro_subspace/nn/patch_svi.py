@@ -187,31 +187,36 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
     return _ARANGE[key]
 
 
-def svi_step(model, x: torch.Tensor, y: torch.Tensor, lr: float):
-    """`PatchedNet.fit`'s ``"svi"`` step on minibatch indices ``idx``: ``SVI(fused_model,
-    fused_guide, JointOptim(Adam), Trace_ELBO()).step`` over ``N``, with Pyro's validation off
-    (``x`` and the prepared ``y`` of ``N`` points were checked once by the caller)."""
+def svi_step(model, num_data: int, lr: float, probe: torch.Tensor | None = None):
+    """`PatchedNet.fit`'s ``"svi"`` step on a minibatch ``(x_b, y_b)`` of ``N = num_data``
+    points: ``SVI(fused_model, fused_guide, JointOptim(Adam), Trace_ELBO()).step``, with Pyro's
+    validation off. With ``probe``, outputs ``(1, O)`` of one row, the targets are checked per
+    batch against outputs of that width (streamed data); else the caller checked them once."""
     from pyro.infer import SVI, Trace_ELBO
 
-    n = x.shape[0]
+    n = num_data
     optim = JointOptim(torch.optim.Adam, {"lr": lr})
     svi = SVI(model.fused_model, model.fused_guide, optim, Trace_ELBO())
     constant = model.elbo_constant
 
-    def step(idx: torch.Tensor) -> float:
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> float:
+        if probe is not None:
+            yb = model.likelihood.validate(probe.new_zeros(xb.shape[0], *probe.shape[1:]), yb)
         with pyro.validation_enabled(False):
-            return (svi.step(x[idx], y[idx], num_data=n) - constant) / n
+            return (svi.step(xb, yb, num_data=n) - constant) / n
 
     return step
 
 
-def torch_step(model, x: torch.Tensor, y: torch.Tensor, lr: float, num_data: int | None = None):
-    """`PatchedNet.fit`'s ``"torch"`` step and optimiser: `PatchedNet.negative_elbo` without the
-    penalty, over ``N``, computed from the flat means (one gather), and Adam on the flat means
-    with eq. (7) as per-element weight decay (`PatchedNet.weight_decays`). The same numbers as
-    the per-slot computation with one Adam group per decay value. ``num_data``: ``N`` when
-    ``x`` is one rank's shard (data-parallel), else ``len(x)``."""
-    n = x.shape[0] if num_data is None else num_data
+def torch_step(model, num_data: int, lr: float, validate: bool = False):
+    """`PatchedNet.fit`'s ``"torch"`` step on a minibatch ``(x_b, y_b)`` of ``N = num_data``
+    points, and its optimiser: `PatchedNet.negative_elbo` without the penalty, over ``N``,
+    computed from the flat means (one gather), and Adam on the flat means with eq. (7) as
+    per-element weight decay (`PatchedNet.weight_decays`). The same numbers as the per-slot
+    computation with one Adam group per decay value. Under data parallelism ``N`` is the total
+    over the ranks. ``validate``: check the targets against the outputs per batch (streamed
+    data; tensors are checked once by the caller)."""
+    n = num_data
     lay = patch_flat.layout(model)
     flat = patch_flat.flat_means(model)
     decays = model.weight_decays(n)
@@ -219,16 +224,17 @@ def torch_step(model, x: torch.Tensor, y: torch.Tensor, lr: float, num_data: int
     optimizer = _DecayedAdam([flat], decay, lr=lr)
     sigma, temperature, lik = model.sigma, model.temperature, model.likelihood
 
-    def step(idx: torch.Tensor) -> torch.Tensor:
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         z = lay.draw(flat)
         w = lay.select(flat, z)
         if sigma > 0:  # one draw of σ ε for all weights
             w = w + sigma * torch.randn(w.shape, dtype=w.dtype, device=w.device)
-        out = _forward(model, lay.split(w), x[idx], z)
+        out = _forward(model, lay.split(w), xb, z)
+        if validate:
+            yb = lik.validate(out, yb)
         with pyro.validation_enabled(False):  # data validated once by the caller
-            log_lik = lik.distribution(out).log_prob(y[idx])
-        b = idx.shape[0]
-        return -log_lik.sum() * (n / b) / temperature / n
+            log_lik = lik.distribution(out).log_prob(yb)
+        return -log_lik.sum() / xb.shape[0] / temperature
 
     return step, optimizer
 

@@ -33,12 +33,11 @@ from pyro.nn import PyroModule
 from pyro.nn.module import pyro_method
 from torch import nn
 
-from .. import _checks, distributed
-from ..flat import FlatNet, eval_mode, preserved, train_mode
+from .. import _checks
+from ..flat import FlatNet, eval_mode
 from ..likelihoods import Likelihood, check_temperature
-from ..minibatch import minibatch_loop, shuffle_generator
 from ..threads import thread_policy
-from . import patch_svi
+from . import patch_fit, patch_svi
 from .patch_family import PatchFamily, check_call, drop_data_dim, plate_batch_shape, positive
 
 __all__ = ["PatchedNet"]
@@ -343,8 +342,8 @@ class PatchedNet(PyroModule):
     @thread_policy
     def fit(
         self,
-        x: torch.Tensor,
-        y: torch.Tensor,
+        x: object,
+        y: torch.Tensor | None = None,
         *,
         epochs: int = 100,
         lr: float = 1e-3,
@@ -359,7 +358,11 @@ class PatchedNet(PyroModule):
         last minibatch of one point is skipped (BatchNorm needs two).
 
         Args:
-            x: training inputs ``(N, ...)``; y: targets ``(N,)``.
+            x: training inputs ``(N, ...)``, or a ``Dataset`` of ``(x_n, y_n)`` (shuffled
+                minibatches of ``batch_size``, a last batch of one point dropped) or a
+                ``DataLoader`` (used as is), streamed: memory bounded by the batch, ``N`` its
+                length, the targets checked batch by batch.
+            y: targets ``(N,)``; ``None`` with a Dataset/DataLoader.
             epochs, lr, batch_size: Adam (default settings, as the paper) and minibatching.
             method: ``"torch"``: `negative_elbo` with ``torch.optim.Adam``; ``"svi"``: Pyro's
                 ``SVI(self.fused_model, self.fused_guide, Adam, Trace_ELBO())`` on the same
@@ -385,38 +388,7 @@ class PatchedNet(PyroModule):
             `negative_elbo` over ``N`` (the penalty is applied as weight decay); for ``"svi"`` the
             ELBO loss minus the constant `elbo_constant` (which would dominate it) over ``N``.
         """
-        n = _checks.check_data(self.net, x, y, self.likelihood, require_y=True)
-        _checks.positive_int(epochs, "epochs"), _checks.positive_int(batch_size, "batch_size"), positive(lr, "lr")
-        _checks.choice(method, "method", ("torch", "svi"))
-        if distributed.active() and method == "svi":
-            raise ValueError("method: 'svi' is not data-parallel (torch.distributed); use 'torch'")
-        local_n = n
-        if distributed.active():  # one draw per global minibatch: every rank follows rank 0's stream
-            n = sum(distributed.gather_ints(local_n))
-            distributed.share_random_stream()
-        with torch.no_grad():  # check the targets against the outputs once, not every step
-            probe = self.sample_outputs(x[:1], 1)[0]
-        y = self.likelihood.validate(probe.new_zeros(local_n, *probe.shape[1:]), y)
-        if method == "svi":  # SVI(fused_model, fused_guide, Adam, Trace_ELBO()): patch_svi
-            step, optimizer = patch_svi.svi_step(self, x, y, lr), None
-        else:  # negative_elbo without the penalty over N, from the flat means; eq. (7) by Adam
-            step, optimizer = patch_svi.torch_step(self, x, y, lr, num_data=n)
-        with preserved(self, self.net, buffers="error", weights="error"), train_mode(self, self.net):
-            distributed.broadcast_state(self)  # rank 0's means and buffers, as DDP does
-            return minibatch_loop(
-                step,
-                local_n,
-                epochs=epochs,
-                batch_size=batch_size,
-                generator=shuffle_generator(seed),
-                optimizer=optimizer,
-                device=x.device,
-                min_batch_size=2,
-                epoch_loss="batches",
-                on_epoch=lambda epoch, loss: distributed.sync_buffers(self),
-                desc="PatchedNet.fit",
-                data_parallel=True,
-            )
+        return patch_fit.fit(self, x, y, epochs, lr, batch_size, method, seed)
 
     # ----------------------------------------------------------------------------------------
     # Pyro model and guide
