@@ -216,9 +216,10 @@ def loader_loop(
     batch_loss, loader, epochs: int, optimizer, on_epoch, desc: str, offset: int = 0
 ) -> list[float]:
     """Epochs over a ``DataLoader`` of ``(x, y)`` batches, ``batch_loss(x_b, y_b)`` per step
-    (`take_steps`, data-parallel under a process group); the mean loss per point per epoch. A ``DistributedSampler`` gets
-    ``set_epoch(offset + epoch)`` before each epoch, so that it reshuffles. A non-finite loss
-    or output raises `TrainingDivergedError` with the epoch (from 1)."""
+    (`take_steps`, data-parallel under a process group); the mean loss per point per epoch.
+    A ``DistributedSampler`` gets ``set_epoch(offset + epoch)`` before each epoch, so that it
+    reshuffles. A non-finite loss or output raises `TrainingDivergedError` with the epoch
+    (from 1)."""
     if distributed.active():
         try:
             steps = len(loader)
