@@ -292,3 +292,49 @@ def full_jacobian_blocks(
             with torch.no_grad():
                 out = as_2d(flat(w, xc))
             yield out, jac.detach()
+
+
+#: Budget (in numbers) for one block of factored per-sample Jacobians ``(rows, C, D)`` in
+#: `factored_square_sums`: 8M numbers (32 MB in float32). Smaller blocks than
+#: `MAX_JACOBIAN_NUMBERS` are faster here: each block is squared and summed at once, and blocks
+#: above glibc's mmap threshold (32 MB) are fresh pages every time (benchmarks/scale.py notes).
+SQUARE_SUM_NUMBERS = 8_000_000
+
+
+def factored_square_sums(
+    flat: FlatNet, x: torch.Tensor, w: torch.Tensor, factor: Callable, chunk_size: int | None
+) -> torch.Tensor:
+    """``Σ_n Σ_c (L_nᵀ J_n)_{c,d}²`` ``(D,)``: the GGN diagonal from ``L_n = factor(f(x_n))``.
+
+    Per-sample Jacobians of ``L_nᵀ f(x_n, w)`` (``L_n`` held fixed at ``w``), so the reverse
+    passes are seeded with the factor's columns directly (no ``(n, O, D)`` Jacobian and no
+    ``bmm`` with ``L``), taken with respect to each parameter tensor separately (no
+    concatenation of a ``(n, C, D)`` block). ``vmap`` over rows of
+    ``jacrev``; rows that ``vmap`` cannot batch (RNNs) fall back to ``jacrev`` row by row under
+    `autodiff.plain_kernels`. Blocks of at most ``chunk_size`` and
+    ``SQUARE_SUM_NUMBERS // (C·D)`` rows.
+    """
+    from .autodiff import plain_kernels
+
+    params = flat.unflatten(w.detach())
+    sums = {name: torch.zeros_like(p) for name, p in params.items()}
+
+    def one(p: dict, xn: torch.Tensor, ln: torch.Tensor) -> torch.Tensor:
+        return ln.T @ flat.evaluate(p, xn.unsqueeze(0)).reshape(-1)  # shape: (C,)
+
+    with eval_mode(flat.net):
+        with torch.no_grad():  # C from the first row's factor
+            c = factor(as_2d(flat(w, x[:1]))).shape[-1]
+        rows = max(1, SQUARE_SUM_NUMBERS // (c * w.numel()))
+        for xc in x.split(min(rows, chunk_size) if chunk_size is not None else rows):
+            with torch.no_grad():
+                lc = factor(as_2d(flat(w, xc))).to(w)  # shape: (n, O, C)
+            try:
+                jac = vmap(jacrev(one), in_dims=(None, 0, 0))(params, xc, lc)
+            except (RuntimeError, NotImplementedError):  # e.g. RNNs under vmap: row by row
+                with plain_kernels():
+                    per_row = [jacrev(one)(params, xn, ln) for xn, ln in zip(xc, lc)]
+                jac = {k: torch.stack([r[k] for r in per_row]) for k in params}
+            for name, j in jac.items():
+                sums[name] += j.detach().square().sum((0, 1))  # not in place: may alias
+    return torch.cat([sums[name].reshape(-1) for name in flat.names])
