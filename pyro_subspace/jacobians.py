@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.func import functional_call, jacrev, jvp, vmap
+from torch.func import jacrev, jvp, vmap
 
 from .autodiff import jvps, per_sample_jacobians_rowwise
 from .flat import FlatNet, eval_mode
@@ -53,31 +53,44 @@ def as_2d(out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def restricted_call(flat: FlatNet, w: torch.Tensor, idx: torch.Tensor):
-    """The net as a function of only the parameter tensors that hold the flat indices ``idx``.
+def selected_jacobians(flat: FlatNet, w: torch.Tensor, idx: torch.Tensor):
+    """Per-sample Jacobian columns of the flat indices ``idx`` ``(K,)``, differentiating only
+    the parameter tensors that hold them, each on its own (no concatenated ``θ``: its split's
+    backward would zero-fill and copy a ``(n·O, D_t)`` block per call).
 
-    Returns ``theta`` (the concatenated touched tensors, ``(D_t,)``), the positions of ``idx`` in
-    ``theta`` (``(K,)``) and ``fn(theta, x)``; the other parameters stay at ``w``.
+    Returns ``D_t`` (the number of weights in the touched tensors: the per-row memory) and
+    ``jac(x) -> (n, O, K)``, ``∂f(x_n)/∂w[idx]`` at ``w`` for the rows of ``x``; the other
+    parameters stay at ``w``. ``vmap`` over rows of ``jacrev``; where ``vmap`` fails (RNNs),
+    ``jacrev`` row by row under `autodiff.plain_kernels`.
     """
-    params = flat.unflatten(w)
-    starts = torch.tensor([0, *flat.numels], device=w.device).cumsum(0)
-    pos = torch.full((w.numel(),), -1, dtype=torch.long, device=w.device)
-    touched, offset = [], 0
-    for j, name in enumerate(flat.names):
-        a, b = int(starts[j]), int(starts[j + 1])
-        if ((idx >= a) & (idx < b)).any():
-            touched.append(j)
-            pos[a:b] = torch.arange(offset, offset + b - a, device=w.device)
-            offset += b - a
-    theta = torch.cat([params[flat.names[j]].reshape(-1) for j in touched])
-    buffers = dict(flat.net.named_buffers())
+    from .autodiff import plain_kernels
 
-    def fn(th: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        pieces = torch.split(th, [flat.numels[j] for j in touched])
-        new = {flat.names[j]: p.reshape(flat.shapes[j]) for j, p in zip(touched, pieces)}
-        return functional_call(flat.net, {**params, **new, **buffers}, (x,))
+    params = flat.unflatten(w.detach())
+    starts = torch.tensor([0, *flat.numels]).cumsum(0)
+    which = torch.searchsorted(starts[1:], idx.cpu(), right=True)  # the tensor of each index
+    touched = {}  # name -> (positions in idx, offsets inside the tensor)
+    for t in which.unique().tolist():
+        pos = (which == t).nonzero().squeeze(1)
+        touched[flat.names[t]] = (pos.to(w.device), (idx.cpu()[pos] - starts[t]).to(w.device))
+    sub = {name: params[name] for name in touched}
 
-    return theta, pos[idx], fn
+    def one(p: dict, xn: torch.Tensor) -> torch.Tensor:
+        return flat.evaluate({**params, **p}, xn.unsqueeze(0)).reshape(-1)
+
+    def jac(x: torch.Tensor) -> torch.Tensor:
+        try:
+            parts = vmap(jacrev(one), in_dims=(None, 0))(sub, x)
+        except (RuntimeError, NotImplementedError):  # e.g. RNNs under vmap: row by row
+            with plain_kernels():
+                per_row = [jacrev(one)(sub, xn) for xn in x]
+            parts = {k: torch.stack([r[k] for r in per_row]) for k in sub}
+        n, o = x.shape[0], next(iter(parts.values())).shape[1]
+        out = w.new_empty(n, o, idx.numel())
+        for name, (pos, local) in touched.items():
+            out[..., pos] = parts[name].reshape(n, o, -1)[..., local]
+        return out.detach()
+
+    return sum(p.numel() for p in sub.values()), jac
 
 
 def per_sample_jacobians(fn: Callable, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -222,10 +235,10 @@ def index_jacobian_blocks(
     lin_pos = torch.cat([p for p, _, _ in plan.values()]).to(w.device)
     rest = rest.to(w.device)
     with eval_mode(flat.net):
-        generic = restricted_call(flat, w, idx[rest]) if rest.numel() else None
+        generic = selected_jacobians(flat, w, idx[rest]) if rest.numel() else None
         with torch.no_grad():
             o = as_2d(flat(w, x[:1])).shape[1]
-        width = idx.numel() + (generic[0].numel() if generic else 0)
+        width = idx.numel() + (generic[0] if generic else 0)
         rows = max(1, MAX_JACOBIAN_NUMBERS // (o * width))
         rows = min(rows, chunk_size) if chunk_size is not None else rows
         in_order = generic is None and torch.equal(lin_pos, torch.arange(idx.numel()).to(lin_pos))
@@ -243,8 +256,7 @@ def index_jacobian_blocks(
             jac = cols.new_empty(idx.numel(), *cols.shape[1:])
             jac[lin_pos] = cols
             if generic is not None:
-                theta, local, fn = generic
-                other = per_sample_jacobians(fn, theta, xc)[..., local].detach()
+                other = generic[1](xc)
                 jac[rest] = next(weighted(iter([(out, other)]), factor))[1].permute(2, 1, 0)
             yield out, jac.permute(2, 1, 0)
 
@@ -255,12 +267,15 @@ def _generic_index_blocks(
     """Per-sample Jacobians (``vmap`` of ``jacrev``) through only the parameter tensors that
     hold a selected weight, then indexed; at most ``MAX_JACOBIAN_NUMBERS // (O·D_t)`` rows."""
     with eval_mode(flat.net):
-        theta, local, fn = restricted_call(flat, w, idx)
-        for xc in x.split(block_rows(fn, theta, x, chunk_size)):
-            jac = per_sample_jacobians(fn, theta, xc)[..., local]  # shape: (n, O, K)
+        d_t, jac = selected_jacobians(flat, w, idx)
+        with torch.no_grad():
+            o = as_2d(flat(w, x[:1])).shape[1]
+        rows = max(1, MAX_JACOBIAN_NUMBERS // (o * d_t))
+        for xc in x.split(min(rows, chunk_size) if chunk_size is not None else rows):
+            block = jac(xc)  # shape: (n, O, K)
             with torch.no_grad():
-                out = as_2d(fn(theta, xc))
-            yield out, jac.detach()
+                out = as_2d(flat(w, xc))
+            yield out, block
 
 
 def dense_jacobian_blocks(
