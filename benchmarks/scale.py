@@ -11,7 +11,18 @@
 3. Streaming: the same evaluations from a ``DataLoader`` vs in-memory tensors: numbers and
    peak memory.
 
-    python benchmarks/scale.py [--quick] [--rows 1000000] [--rounds 3]
+Modes: ``--quick`` (N = 10⁵ MLP 8-32-1; CNN of 10,226 weights at N = 64, 128) and ``--full``
+(the issue's sizes: N = 10⁶ on an MLP 10-200-1; a four-stage ResNet of 308,826 weights at
+N = 256, 512, 1024 and one of 78,002 weights at N = 512, every pipeline step; each CNN
+configuration in a fresh process, chunked so that memory is bounded by the chunk, not by N).
+Peak memory is reported twice per step: the RSS increase over the step (sampled every 5 ms;
+0 when the step reuses memory malloc already holds) and the step's absolute peak RSS (the
+kernel's ``VmHWM``, reset at the step's start by writing 5 to ``/proc/self/clear_refs``:
+independent of what any allocator caches, it includes the process's baseline).
+
+    python benchmarks/scale.py --quick --rounds 3
+    python benchmarks/scale.py --full --rounds 3          # about 15 min on 2 idle cores
+    python benchmarks/scale.py --full --rows 100000 --cnn-rows 32,64   # a smoke run
 """
 
 from __future__ import annotations
@@ -33,10 +44,30 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _reset_hwm() -> bool:
+    """Reset the kernel's peak-RSS counter ``VmHWM`` (Linux >= 4.0); False if not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 class PeakMemory:
-    """Peak RSS increase (MB) inside the block, sampled by a thread every 5 ms."""
+    """Peak RSS increase (MB) inside the block, sampled by a thread every 5 ms, and the
+    block's absolute peak RSS ``hwm_mb`` (``VmHWM`` reset at entry; NaN where it cannot be)."""
 
     def __enter__(self):
+        self._hwm_ok = _reset_hwm()
         self.base, self.peak, self._stop = _rss(), _rss(), False
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
@@ -52,24 +83,25 @@ class PeakMemory:
         self._thread.join()
         self.peak = max(self.peak, _rss())
         self.mb = (self.peak - self.base) / 2**20
+        self.hwm_mb = _hwm() / 2**20 if self._hwm_ok else float("nan")
 
 
 # ---------------------------------------------------------------------------- 1. scaling
 
 
-def _mlp_problem(rows: int):
+def _mlp_problem(rows: int, inputs: int = 8, hidden: int = 32):
     from pyro_subspace import SubspaceNet, likelihoods, subspaces
 
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, 8, generator=gen)
+    x = torch.randn(rows, inputs, generator=gen)
     y = x[:, :3].sum(1).sin() + 0.1 * torch.randn(rows, generator=gen)
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    net = nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, 1))
     model = SubspaceNet(net, subspaces.random(net, 10, seed=0), likelihoods.Gaussian(0.3))
     return model, x, y
 
 
-def _scaling_worker(rank: int, port: int, rows: int, rounds: int, out):
+def _scaling_worker(rank: int, port: int, rows: int, rounds: int, out, shape=(8, 32)):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -78,7 +110,7 @@ def _scaling_worker(rank: int, port: int, rows: int, rounds: int, out):
 
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(300))
     try:
-        model, x, y = _mlp_problem(rows)
+        model, x, y = _mlp_problem(rows, *shape)
         t = torch.zeros(model.rank, dtype=torch.float64)
         full = model.evaluator(x, y, chunk_size=65536)
         mine = model.evaluator(distributed.shard(x), distributed.shard(y), chunk_size=65536)
@@ -102,19 +134,21 @@ def _scaling_worker(rank: int, port: int, rows: int, rounds: int, out):
         dist.destroy_process_group()
 
 
-def strong_scaling(rows: int, rounds: int) -> None:
+def strong_scaling(rows: int, rounds: int, shape: tuple[int, int] = (8, 32)) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = mp.start_processes(
-        _scaling_worker, args=(port, rows, rounds, out), nprocs=2, join=False, start_method="spawn"
-    )
+        _scaling_worker, args=(port, rows, rounds, out, shape), nprocs=2, join=False,
+        start_method="spawn",
+    )  # fmt: skip
     one, two, values = out.get(timeout=1800)
     procs.join()
     agree = max(abs(v - values[0]) / abs(values[0]) for v in values)
-    print(f"\n## Strong scaling: nll_and_grad on N = {rows:,} (MLP 8-32-1, K = 10, chunks 65536)")
+    mlp = f"MLP {shape[0]}-{shape[1]}-1"
+    print(f"\n## Strong scaling: nll_and_grad on N = {rows:,} ({mlp}, K = 10, chunks 65536)")
     print("| processes | best time (s) | speed-up |")
     print("|---|---|---|")
     print(f"| 1 | {one:.3f} | 1.00 |")
@@ -145,12 +179,25 @@ class Block(nn.Module):
 
 
 def resnet(width: int = 32, classes: int = 10) -> nn.Module:
-    """A small ResNet for 3×32×32 inputs; width 48 gives 349 306 weights (10 classes)."""
+    """A small ResNet for 3×32×32 inputs, three stages (w, 2w, 2w channels at 32, 16, 8 pixels);
+    width 8 gives 10,226 weights (10 classes): the quick mode's net."""
     w = width
     return nn.Sequential(
         nn.Conv2d(3, w, 3, 1, 1, bias=False), nn.BatchNorm2d(w), nn.ReLU(inplace=True),
         Block(w, w, 1), Block(w, 2 * w, 2), Block(2 * w, 2 * w, 2),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * w, classes),
+    )  # fmt: skip
+
+
+def resnet4(width: int = 16, classes: int = 10) -> nn.Module:
+    """A CIFAR ResNet with four stages (w, 2w, 4w, 8w channels at 32, 16, 8, 4 pixels; most
+    weights where the images are small, as in ResNet-18): width 16 gives 308,826 weights,
+    width 8 gives 78,002 (10 classes). The full mode's net."""
+    w = width
+    return nn.Sequential(
+        nn.Conv2d(3, w, 3, 1, 1, bias=False), nn.BatchNorm2d(w), nn.ReLU(inplace=True),
+        Block(w, w, 1), Block(w, 2 * w, 2), Block(2 * w, 4 * w, 2), Block(4 * w, 8 * w, 2),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8 * w, classes),
     )  # fmt: skip
 
 
@@ -161,8 +208,15 @@ def synthetic(n: int, classes: int = 10, seed: int = 0):
     return x, y % classes
 
 
-def cnn_pipeline(n: int, width: int, subnet: int, draws: int, swa_epochs: int) -> list[tuple]:
-    """Every pipeline step on ``n`` synthetic images; returns rows (step, N, D, K, s, MB)."""
+def cnn_pipeline(
+    n: int, width: int, subnet: int, draws: int, swa_epochs: int, full: bool = False
+) -> list[tuple]:
+    """Every pipeline step on ``n`` synthetic images; rows (step, N, D, K, s, MB, peak MB).
+
+    ``full``: the four-stage `resnet4` and chunks of at most 128 rows in every data pass (GGN
+    products, BatchNorm refresh and ESS likelihood, Laplace Jacobian blocks), so memory is
+    bounded by the chunk; else the quick three-stage `resnet` with the quick mode's chunks.
+    """
     from pyro.infer import MCMC
 
     from pyro_subspace import (
@@ -175,8 +229,10 @@ def cnn_pipeline(n: int, width: int, subnet: int, draws: int, swa_epochs: int) -
     )
     from pyro_subspace.infer import AutoSubspaceLaplace, MixtureOfLaplace
 
+    make = resnet4 if full else resnet
+    chunk = 128 if full else 256
     torch.manual_seed(0)
-    net, lik = resnet(width), likelihoods.Categorical()
+    net, lik = make(width), likelihoods.Categorical()
     x, y = synthetic(n)
     d = sum(p.numel() for p in net.parameters())
     rows = []
@@ -186,7 +242,7 @@ def cnn_pipeline(n: int, width: int, subnet: int, draws: int, swa_epochs: int) -
             start = time.perf_counter()
             result = fn()
             seconds = time.perf_counter() - start
-        rows.append((name, n, d, k, seconds, mem.mb))
+        rows.append((name, n, d, k, seconds, mem.mb, mem.hwm_mb))
         return result
 
     collector = subspaces.SWACollector(net, max_snapshots=10)
@@ -196,25 +252,28 @@ def cnn_pipeline(n: int, width: int, subnet: int, draws: int, swa_epochs: int) -
                 optimizer="sgd", collector=collector, swa_epochs=swa_epochs, swa_lr=1e-3)  # fmt: skip
         return subspaces.pca(collector, min(5, swa_epochs))
 
-    pca = step("SWA + PCA", min(5, swa_epochs), swa)
+    pca = step(f"SWA ({swa_epochs} epochs) + PCA", min(5, swa_epochs), swa)
 
     def ess():
         model = SubspaceNet(net, pca, lik, temperature="auto")
-        kernel = EllipticalSliceSampler(model, chunk_size=256, recompute_bn=True)
+        kernel = EllipticalSliceSampler(model, chunk_size=chunk, recompute_bn=True)
         MCMC(kernel, draws, 0, disable_progbar=True).run(x, y)
 
     step(f"ESS ({draws} draws, BN refresh)", pca.rank, ess)
     sel = step("diag-Laplace selection", subnet, lambda: subspaces.subnetwork(
-        net, subnet, strategy="diag_laplace", likelihood=lik, x=x, chunk_size=64))  # fmt: skip
+        net, subnet, strategy="diag_laplace", likelihood=lik, x=x,
+        chunk_size=None if full else 64))  # fmt: skip
 
     def laplace():
         guide = AutoSubspaceLaplace(SubspaceNet(net, sel, lik), prior_precision=1.0, chunk_size=64)
         return guide.fit(x, y, find_map=False)
 
     step("full-cov subnetwork Laplace", subnet, laplace)
-    step("top-20 GGN eigenpairs", 20, lambda: subspaces.ggn_eigen(net, lik, x, 20, chunk_size=256))
-    step("last-layer MoLA (2 members)", (2 * width + 1) * 10,
-         lambda: MixtureOfLaplace([net, resnet(width)], lik).fit(x, y))  # fmt: skip
+    step("top-20 GGN eigenpairs (60 G v)", 20,
+         lambda: subspaces.ggn_eigen(net, lik, x, 20, chunk_size=chunk))  # fmt: skip
+    head = net[-1].in_features
+    step("last-layer MoLA (2 members)", (head + 1) * 10,
+         lambda: MixtureOfLaplace([net, make(width)], lik, chunk_size=chunk).fit(x, y))  # fmt: skip
 
     def ecmp():
         model = PatchedNet(net, lik, mode="ecmp", n_components=5, init="copy")
@@ -224,12 +283,59 @@ def cnn_pipeline(n: int, width: int, subnet: int, draws: int, swa_epochs: int) -
     return rows
 
 
+def _pipeline_worker(args: tuple, out) -> None:
+    torch.set_num_threads(1)
+    out.put(cnn_pipeline(*args))
+
+
+def cnn_pipeline_fresh(*args) -> list[tuple]:
+    """`cnn_pipeline` in a fresh spawned process: no memory held over from other configs."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_pipeline_worker, args=(args, out))
+    proc.start()
+    rows = out.get(timeout=7200)
+    proc.join()
+    return rows
+
+
 def print_pipeline(rows: list[tuple]) -> None:
     print("\n## CNN pipeline (ResNet-style, BatchNorm, 3x32x32 synthetic)")
-    print("| step | N | D | K (MoLA: per member) | time (s) | peak RSS increase (MB) |")
-    print("|---|---|---|---|---|---|")
-    for name, n, d, k, s, mb in rows:
-        print(f"| {name} | {n} | {d:,} | {k} | {s:.2f} | {mb:.0f} |")
+    print("| step | N | D | K (MoLA: per member) | time (s) | RSS increase (MB) | peak RSS (MB) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, n, d, k, s, mb, hwm in rows:
+        print(f"| {name} | {n} | {d:,} | {k} | {s:.2f} | {mb:.0f} | {hwm:.0f} |")
+
+
+def print_growth(rows: list[tuple]) -> None:
+    """Per step: time and peak RSS at each N (largest D), the time ratio to the smallest N
+    against the ratio of N (linear cost), and each step at both D for the middle N."""
+    d_max = max(r[2] for r in rows)
+    big = [r for r in rows if r[2] == d_max]
+    ns = sorted({r[1] for r in big})
+    steps = list(dict.fromkeys(r[0] for r in big))
+    at = {(r[0], r[1], r[2]): r for r in rows}
+    print(f"\n## Growth in N at D = {d_max:,}: time (s) / peak RSS (MB); time ratio vs N ratio")
+    print("| step | " + " | ".join(f"N = {n}" for n in ns) + f" | t({ns[-1]}) / t({ns[0]}) |")
+    print("|---|" + "---|" * (len(ns) + 1))
+    for name in steps:
+        cells = [at[name, n, d_max] for n in ns]
+        ratio = cells[-1][4] / cells[0][4]
+        print(f"| {name} | " + " | ".join(f"{c[4]:.1f} / {c[6]:.0f}" for c in cells)
+              + f" | {ratio:.2f} (N: {ns[-1] / ns[0]:.0f}x) |")  # fmt: skip
+    small = sorted({r[2] for r in rows if r[2] != d_max})
+    if not small:
+        return
+    for d in small:
+        n = next(r[1] for r in rows if r[2] == d)
+        print(f"\n## Growth in D at N = {n}: time (s) / peak RSS (MB)")
+        print(f"| step | D = {d:,} | D = {d_max:,} | time ratio (D: {d_max / d:.1f}x) |")
+        print("|---|---|---|---|")
+        for name in steps:
+            a, b = at.get((name, n, d)), at.get((name, n, d_max))
+            if a and b:
+                print(f"| {name} | {a[4]:.1f} / {a[6]:.0f} | {b[4]:.1f} / {b[6]:.0f} "
+                      f"| {b[4] / a[4]:.2f} |")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- 3. streaming
@@ -263,23 +369,40 @@ def streaming(rows: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small N everywhere")
-    parser.add_argument("--rows", type=int, default=1_000_000)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="small N everywhere")
+    mode.add_argument("--full", action="store_true",
+                      help="the issue's sizes: N = 10^6 scaling, a 309k-weight CNN")  # fmt: skip
+    parser.add_argument("--rows", type=int, default=None, help="strong-scaling N")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cnn-rows", default=None,
+                        help="full mode: comma-separated N for the CNN (default 256,512,1024)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     load = os.getloadavg()
     print(f"# benchmarks/scale.py  {datetime.date.today()}  torch threads 1 per process, "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")  # fmt: skip
-    rows = 100_000 if args.quick else args.rows
-    strong_scaling(rows, args.rounds)
-    table = []
-    sizes = [(64, 8), (128, 8)] if args.quick else [(256, 48), (512, 48), (512, 64)]
-    for n, width in sizes:
-        table += cnn_pipeline(n, width, subnet=500 if args.quick else 5000,
-                              draws=5 if args.quick else 20, swa_epochs=3 if args.quick else 5)  # fmt: skip
-    print_pipeline(table)
-    streaming(20_000 if args.quick else 200_000)
+    if args.full:
+        cnn_rows = [int(v) for v in (args.cnn_rows or "256,512,1024").split(",")]
+        strong_scaling(args.rows or 1_000_000, args.rounds, shape=(10, 200))
+        table = []
+        for n in cnn_rows:
+            table += cnn_pipeline_fresh(n, 16, 5000, 10, 5, True)
+        table += cnn_pipeline_fresh(cnn_rows[len(cnn_rows) // 2], 8, 5000, 10, 5, True)
+        print_pipeline(table)
+        print_growth(table)
+        streaming(200_000)
+    else:
+        strong_scaling(args.rows or (100_000 if args.quick else 1_000_000), args.rounds)
+        table = []
+        sizes = [(64, 8), (128, 8)] if args.quick else [(256, 48), (512, 48), (512, 64)]
+        for n, width in sizes:
+            table += cnn_pipeline(n, width, subnet=500 if args.quick else 5000,
+                                  draws=5 if args.quick else 20, swa_epochs=3 if args.quick else 5)  # fmt: skip
+        print_pipeline(table)
+        streaming(20_000 if args.quick else 200_000)
+    load = os.getloadavg()
+    print(f"\nload average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.func import functional_call, jacrev, jvp, vmap
+from torch.func import jacrev, vmap
 
 from .autodiff import jvps, per_sample_jacobians_rowwise
 from .flat import FlatNet, eval_mode
@@ -59,31 +59,44 @@ def as_2d(out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def restricted_call(flat: FlatNet, w: torch.Tensor, idx: torch.Tensor):
-    """The net as a function of only the parameter tensors that hold the flat indices ``idx``.
+def selected_jacobians(flat: FlatNet, w: torch.Tensor, idx: torch.Tensor):
+    """Per-sample Jacobian columns of the flat indices ``idx`` ``(K,)``, differentiating only
+    the parameter tensors that hold them, each on its own (no concatenated ``θ``: its split's
+    backward would zero-fill and copy a ``(n·O, D_t)`` block per call).
 
-    Returns ``theta`` (the concatenated touched tensors, ``(D_t,)``), the positions of ``idx`` in
-    ``theta`` (``(K,)``) and ``fn(theta, x)``; the other parameters stay at ``w``.
+    Returns ``D_t`` (the number of weights in the touched tensors: the per-row memory) and
+    ``jac(x) -> (n, O, K)``, ``∂f(x_n)/∂w[idx]`` at ``w`` for the rows of ``x``; the other
+    parameters stay at ``w``. ``vmap`` over rows of ``jacrev``; where ``vmap`` fails (RNNs),
+    ``jacrev`` row by row under `autodiff.plain_kernels`.
     """
-    params = flat.unflatten(w)
-    starts = torch.tensor([0, *flat.numels], device=w.device).cumsum(0)
-    pos = torch.full((w.numel(),), -1, dtype=torch.long, device=w.device)
-    touched, offset = [], 0
-    for j, name in enumerate(flat.names):
-        a, b = int(starts[j]), int(starts[j + 1])
-        if ((idx >= a) & (idx < b)).any():
-            touched.append(j)
-            pos[a:b] = torch.arange(offset, offset + b - a, device=w.device)
-            offset += b - a
-    theta = torch.cat([params[flat.names[j]].reshape(-1) for j in touched])
-    buffers = dict(flat.net.named_buffers())
+    from .autodiff import plain_kernels
 
-    def fn(th: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        pieces = torch.split(th, [flat.numels[j] for j in touched])
-        new = {flat.names[j]: p.reshape(flat.shapes[j]) for j, p in zip(touched, pieces)}
-        return functional_call(flat.net, {**params, **new, **buffers}, (x,))
+    params = flat.unflatten(w.detach())
+    starts = torch.tensor([0, *flat.numels]).cumsum(0)
+    which = torch.searchsorted(starts[1:], idx.cpu(), right=True)  # the tensor of each index
+    touched = {}  # name -> (positions in idx, offsets inside the tensor)
+    for t in which.unique().tolist():
+        pos = (which == t).nonzero().squeeze(1)
+        touched[flat.names[t]] = (pos.to(w.device), (idx.cpu()[pos] - starts[t]).to(w.device))
+    sub = {name: params[name] for name in touched}
 
-    return theta, pos[idx], fn
+    def one(p: dict, xn: torch.Tensor) -> torch.Tensor:
+        return flat.evaluate({**params, **p}, xn.unsqueeze(0)).reshape(-1)
+
+    def jac(x: torch.Tensor) -> torch.Tensor:
+        try:
+            parts = vmap(jacrev(one), in_dims=(None, 0))(sub, x)
+        except (RuntimeError, NotImplementedError):  # e.g. RNNs under vmap: row by row
+            with plain_kernels():
+                per_row = [jacrev(one)(sub, xn) for xn in x]
+            parts = {k: torch.stack([r[k] for r in per_row]) for k in sub}
+        n, o = x.shape[0], next(iter(parts.values())).shape[1]
+        out = w.new_empty(n, o, idx.numel())
+        for name, (pos, local) in touched.items():
+            out[..., pos] = parts[name].reshape(n, o, -1)[..., local]
+        return out.detach()
+
+    return sum(p.numel() for p in sub.values()), jac
 
 
 def per_sample_jacobians(fn: Callable, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -235,10 +248,10 @@ def index_jacobian_blocks(
     lin_pos = torch.cat([p for p, _, _ in plan.values()]).to(w.device)
     rest = rest.to(w.device)
     with eval_mode(flat.net):
-        generic = restricted_call(flat, w, idx[rest]) if rest.numel() else None
+        generic = selected_jacobians(flat, w, idx[rest]) if rest.numel() else None
         with torch.no_grad():
             o = as_2d(flat(w, x[:1])).shape[1]
-        width = idx.numel() + (generic[0].numel() if generic else 0)
+        width = idx.numel() + (generic[0] if generic else 0)
         budget = min(MAX_JACOBIAN_NUMBERS // width, INDEX_JACOBIAN_NUMBERS // idx.numel())
         rows = max(1, budget // o)
         rows = min(rows, chunk_size) if chunk_size is not None else rows
@@ -257,8 +270,7 @@ def index_jacobian_blocks(
             jac = cols.new_empty(idx.numel(), *cols.shape[1:])
             jac[lin_pos] = cols
             if generic is not None:
-                theta, local, fn = generic
-                other = per_sample_jacobians(fn, theta, xc)[..., local].detach()
+                other = generic[1](xc)
                 jac[rest] = next(weighted(iter([(out, other)]), factor))[1].permute(2, 1, 0)
             yield out, jac.permute(2, 1, 0)
 
@@ -269,12 +281,15 @@ def _generic_index_blocks(
     """Per-sample Jacobians (``vmap`` of ``jacrev``) through only the parameter tensors that
     hold a selected weight, then indexed; at most ``MAX_JACOBIAN_NUMBERS // (O·D_t)`` rows."""
     with eval_mode(flat.net):
-        theta, local, fn = restricted_call(flat, w, idx)
-        for xc in x.split(block_rows(fn, theta, x, chunk_size)):
-            jac = per_sample_jacobians(fn, theta, xc)[..., local]  # shape: (n, O, K)
+        d_t, jac = selected_jacobians(flat, w, idx)
+        with torch.no_grad():
+            o = as_2d(flat(w, x[:1])).shape[1]
+        rows = max(1, MAX_JACOBIAN_NUMBERS // (o * d_t))
+        for xc in x.split(min(rows, chunk_size) if chunk_size is not None else rows):
+            block = jac(xc)  # shape: (n, O, K)
             with torch.no_grad():
-                out = as_2d(fn(theta, xc))
-            yield out, jac.detach()
+                out = as_2d(flat(w, xc))
+            yield out, block
 
 
 def dense_jacobian_blocks(
@@ -306,3 +321,49 @@ def full_jacobian_blocks(
             with torch.no_grad():
                 out = as_2d(flat(w, xc))
             yield out, jac.detach()
+
+
+#: Budget (in numbers) for one block of factored per-sample Jacobians ``(rows, C, D)`` in
+#: `factored_square_sums`: 8M numbers (32 MB in float32). Smaller blocks than
+#: `MAX_JACOBIAN_NUMBERS` are faster here: each block is squared and summed at once, and blocks
+#: above glibc's mmap threshold (32 MB) are fresh pages every time (benchmarks/scale.py notes).
+SQUARE_SUM_NUMBERS = 8_000_000
+
+
+def factored_square_sums(
+    flat: FlatNet, x: torch.Tensor, w: torch.Tensor, factor: Callable, chunk_size: int | None
+) -> torch.Tensor:
+    """``Σ_n Σ_c (L_nᵀ J_n)_{c,d}²`` ``(D,)``: the GGN diagonal from ``L_n = factor(f(x_n))``.
+
+    Per-sample Jacobians of ``L_nᵀ f(x_n, w)`` (``L_n`` held fixed at ``w``), so the reverse
+    passes are seeded with the factor's columns directly (no ``(n, O, D)`` Jacobian and no
+    ``bmm`` with ``L``), taken with respect to each parameter tensor separately (no
+    concatenation of a ``(n, C, D)`` block). ``vmap`` over rows of
+    ``jacrev``; rows that ``vmap`` cannot batch (RNNs) fall back to ``jacrev`` row by row under
+    `autodiff.plain_kernels`. Blocks of at most ``chunk_size`` and
+    ``SQUARE_SUM_NUMBERS // (C·D)`` rows.
+    """
+    from .autodiff import plain_kernels
+
+    params = flat.unflatten(w.detach())
+    sums = {name: torch.zeros_like(p) for name, p in params.items()}
+
+    def one(p: dict, xn: torch.Tensor, ln: torch.Tensor) -> torch.Tensor:
+        return ln.T @ flat.evaluate(p, xn.unsqueeze(0)).reshape(-1)  # shape: (C,)
+
+    with eval_mode(flat.net):
+        with torch.no_grad():  # C from the first row's factor
+            c = factor(as_2d(flat(w, x[:1]))).shape[-1]
+        rows = max(1, SQUARE_SUM_NUMBERS // (c * w.numel()))
+        for xc in x.split(min(rows, chunk_size) if chunk_size is not None else rows):
+            with torch.no_grad():
+                lc = factor(as_2d(flat(w, xc))).to(w)  # shape: (n, O, C)
+            try:
+                jac = vmap(jacrev(one), in_dims=(None, 0, 0))(params, xc, lc)
+            except (RuntimeError, NotImplementedError):  # e.g. RNNs under vmap: row by row
+                with plain_kernels():
+                    per_row = [jacrev(one)(params, xn, ln) for xn, ln in zip(xc, lc)]
+                jac = {k: torch.stack([r[k] for r in per_row]) for k in params}
+            for name, j in jac.items():
+                sums[name] += j.detach().square().sum((0, 1))  # not in place: may alias
+    return torch.cat([sums[name].reshape(-1) for name in flat.names])

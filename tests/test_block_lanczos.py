@@ -162,3 +162,41 @@ def test_block_product_on_an_lstm_equals_single_vector_products():
     want = torch.stack(cols, 1)
     # float32: a few hundred rounded operations per entry
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+def test_ggn_eigen_single_vector_tol_on_a_conv_bn_net_equals_dense(monkeypatch):
+    """``block_size=1`` with ``tol``: single ``G v`` products of the cached operator (never the
+    batched one), stopping early (thick-restart Lanczos); on a float64 CNN with BatchNorm and in-place ReLU the pairs meet the residual test
+    against the dense GGN, and a loose ``tol`` uses fewer products than the budget."""
+    import sys
+
+    from pyro_subspace.likelihoods import Categorical
+    from tests.test_curvature import _ConvBN
+
+    torch.manual_seed(0)
+    net = _ConvBN().double()
+    net(torch.randn(16, 2, 5, 5, dtype=torch.float64) * 2 + 0.5)  # running statistics
+    net.eval()
+    lik, x = Categorical(), torch.randn(6, 2, 5, 5, dtype=torch.float64)
+    g = dense_ggn(net, lik, x)
+    module = sys.modules["pyro_subspace.subspaces.ggn_eigen"]
+    calls = []
+
+    class Counted(module.GGNOperator):
+        def matvec(self, v):
+            calls.append(v.shape)
+            return super().matvec(v)
+
+        def matmat(self, v):  # must not be used
+            raise AssertionError("the batched product was used with block_size=1")
+
+    monkeypatch.setattr(module, "GGNOperator", Counted)
+    sub = subspaces.ggn_eigen(net, lik, x, 3, tol=1e-10, num_iter=g.shape[0])
+    check_pairs(sub.eigenvalues, sub.basis, g, 3, 1e-12, 1e-8)
+    residual = (g @ sub.basis - sub.basis * sub.eigenvalues).norm(dim=0)
+    assert (residual <= 1e-10 * sub.eigenvalues).all()
+    calls.clear()
+    loose = subspaces.ggn_eigen(net, lik, x, 3, tol=1e-3, num_iter=20)
+    assert len(calls) < 20 and all(shape == (g.shape[0],) for shape in calls)
+    residual = (g @ loose.basis - loose.basis * loose.eigenvalues).norm(dim=0)
+    assert (residual <= 1e-3 * loose.eigenvalues).all()

@@ -32,7 +32,13 @@ from ..gram import gram_from_blocks
 from ..autodiff import jvp_any, jvps, strategy_of
 from ..data import DataSource
 from ..flat import FlatNet, eval_mode
-from ..jacobians import MAX_JACOBIAN_NUMBERS, as_2d, full_jacobian_blocks, weighted
+from ..jacobians import (
+    MAX_JACOBIAN_NUMBERS,
+    as_2d,
+    factored_square_sums,
+    full_jacobian_blocks,
+    weighted,
+)
 from ..likelihoods import Likelihood, check_likelihood
 from ..subspaces.base import Subspace
 from .output_hessian import hessian_factor, output_hessian
@@ -321,23 +327,22 @@ def ggn_diagonal(
 
     Computed as ``Σ_n Σ_c (L_nᵀ J_n)_{c,d}²`` from the factor ``H_n = L_n L_nᵀ`` (see
     `output_hessian`; Categorical uses ``L = diag(√p) − p √pᵀ``), so every entry is ``>= 0``.
-    Per-sample Jacobians ``(rows, O, D)`` come from ``vmap`` over data points of ``jacrev``;
-    memory is about twice ``rows·O·D`` numbers. Used by the diagonal Laplace selection of
-    Subnetwork Inference (section 5).
+    The per-sample rows ``L_nᵀ J_n`` ``(rows, C, D)`` come from ``vmap`` over data points of
+    ``jacrev`` of ``L_nᵀ f(x_n, w)``, one parameter tensor at a time
+    (`jacobians.factored_square_sums`); memory is about twice ``rows·C·D`` numbers. Used by
+    the diagonal Laplace selection of Subnetwork Inference (section 5).
 
     Args:
         net, likelihood, x: as in `ggn_vector_product`.
         chunk_size: rows per block; ``None`` picks the largest with
-            ``rows·O·D <= MAX_JACOBIAN_NUMBERS`` (50M numbers).
+            ``rows·C·D <= jacobians.SQUARE_SUM_NUMBERS`` (8M numbers).
         w: flat weights ``(D,)``; default the network's current weights.
 
     Returns:
         Shape ``(D,)``, in ``w``'s dtype.
     """
-    _, w = _setup(net, likelihood, x, w, chunk_size)
+    flat, w = _setup(net, likelihood, x, w, chunk_size)
     diag = torch.zeros_like(w)
     for xs in _inputs(x, chunk_size):
-        for out, jac in full_jacobians(net, xs, chunk_size, w=w):
-            lj = torch.einsum("noc,nod->ncd", hessian_factor(likelihood, out), jac)
-            diag += lj.square().sum((0, 1))
+        diag += factored_square_sums(flat, xs, w, partial(hessian_factor, likelihood), chunk_size)
     return distributed.all_reduce_sum(diag.detach())
