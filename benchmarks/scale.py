@@ -374,6 +374,8 @@ def main() -> None:
     mode.add_argument("--full", action="store_true",
                       help="the issue's sizes: N = 10^6 scaling, a 309k-weight CNN")  # fmt: skip
     parser.add_argument("--rows", type=int, default=None, help="strong-scaling N")
+    parser.add_argument("--scaling-only", action="store_true",
+                        help="only the strong-scaling table (needs a quiet machine)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cnn-rows", default=None,
                         help="full mode: comma-separated N for the CNN (default 256,512,1024)")
@@ -382,7 +384,9 @@ def main() -> None:
     load = os.getloadavg()
     print(f"# benchmarks/scale.py  {datetime.date.today()}  torch threads 1 per process, "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")  # fmt: skip
-    if args.full:
+    if args.scaling_only:
+        strong_scaling(args.rows or 1_000_000, args.rounds, shape=(10, 200))
+    elif args.full:
         cnn_rows = [int(v) for v in (args.cnn_rows or "256,512,1024").split(",")]
         strong_scaling(args.rows or 1_000_000, args.rounds, shape=(10, 200))
         table = []
