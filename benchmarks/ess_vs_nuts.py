@@ -49,7 +49,6 @@ import torch
 from pyro.infer import MCMC, NUTS
 from torch import nn
 
-from pyro_subspace.infer import GeneralizedEllipticalSliceSampler
 from pyro_subspace import (
     EllipticalSliceSampler,
     SubspaceNet,
@@ -58,6 +57,13 @@ from pyro_subspace import (
     likelihoods,
     subspaces,
 )
+from pyro_subspace.infer import GeneralizedEllipticalSliceSampler
+
+
+def load_average() -> list[str]:
+    """The 1, 5 and 15 minute load averages (the machine is shared: printed with every table)."""
+    with open("/proc/loadavg") as f:
+        return f.read().split()[:3]
 
 
 def toy_net(d_in: int) -> nn.Module:
@@ -252,7 +258,7 @@ def gess_tables(args) -> None:
         temp = temperature if temperature == "auto" else float(temperature)
         label = "N/K" if temp == "auto" else temperature
         for name in args.data.split(","):
-            print(f"# load average: {open('/proc/loadavg').read().split()[:3]}", flush=True)
+            print(f"# load average: {load_average()}", flush=True)
             if name not in cache:  # train once per data set
                 cache[name] = trained(name, args.quick)
             data, net, lik, col = cache[name]
@@ -311,7 +317,7 @@ def main() -> None:
         if args.quick:
             args.draws, args.warmup = 100, 60
         args.draws = args.draws or 1000
-        print(f"# load average at start: {open('/proc/loadavg').read().split()[:3]}")
+        print(f"# load average at start: {load_average()}")
         busy = None
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so `finally` ends the load
         if args.load:  # a deliberate second load: one core kept busy for the whole run
@@ -323,7 +329,7 @@ def main() -> None:
             if busy is not None:
                 busy.kill()
                 busy.wait()
-        print(f"# load average at end: {open('/proc/loadavg').read().split()[:3]}")
+        print(f"# load average at end: {load_average()}")
         return
     if args.quick:
         args.draws, args.warmup = 60, 30
