@@ -84,9 +84,10 @@ def test_wrong_fixed_reference_still_samples_the_posterior(name, df):
     assert_matches_gaussian(mcmc.get_samples(group_by_chain=True)["t"], mean, cov)
 
 
-def test_adapted_reference_from_warmup_needs_fewer_evaluations_than_plain_ess():
+@pytest.mark.parametrize("df", [None, 5])
+def test_adapted_reference_from_warmup_needs_fewer_evaluations_than_plain_ess(df):
     *_, mean, cov = problem()
-    mcmc = run(kernel("warmup", chains=4, seed=3), samples=1000, warmup=200)
+    mcmc = run(kernel("warmup", df=df, chains=4, seed=3), samples=1000, warmup=200)
     assert_matches_gaussian(mcmc.get_samples(group_by_chain=True)["t"], mean, cov)
     plain = run(kernel("prior", chains=4, seed=3), samples=300, warmup=0)  # plain ESS
     evals = sum(mcmc.diagnostics()["evaluations per draw"].values())
@@ -153,12 +154,14 @@ def test_one_transition_leaves_the_posterior_invariant_and_is_reversible(name, d
 
 @pytest.mark.parametrize("df", [None, 3])
 def test_batched_chains_equal_chains_run_one_at_a_time(df):
-    batched = run(kernel("warmup", df=df, chains=3, seed=7), samples=150, warmup=60, chains=3)
-    separate = run(kernel("warmup", df=df, seed=7), samples=150, warmup=60, chains=3)
+    """With a fixed reference; an adapted one is refitted from the batch's pooled draws."""
+    ref = wrong_references()["shifted"]
+    batched = run(kernel(ref, df=df, chains=3, seed=7), samples=150, warmup=60, chains=3)
+    separate = run(kernel(ref, df=df, seed=7), samples=150, warmup=60, chains=3)
     one_by_one = torch.stack(
         [
             run(k, samples=150, warmup=60, chains=1).get_samples()["t"]
-            for k in [kernel("warmup", df=df, seed=7)]
+            for k in [kernel(ref, df=df, seed=7)]
             for _ in range(3)
         ]
     )
@@ -191,6 +194,8 @@ def test_bad_arguments_are_named():
         GeneralizedEllipticalSliceSampler(prior=prior, log_likelihood=loglik, reference="nope")
     with pytest.raises(ValueError, match="df"):
         GeneralizedEllipticalSliceSampler(prior=prior, log_likelihood=loglik, df=2.5)
+    with pytest.raises(TypeError, match="adapt"):
+        GeneralizedEllipticalSliceSampler(prior=prior, log_likelihood=loglik, adapt="yes")
     with pytest.raises(ValueError, match="chains"):
         GeneralizedEllipticalSliceSampler(prior=prior, log_likelihood=loglik, chains=0)
     bad = GeneralizedEllipticalSliceSampler(
@@ -200,3 +205,60 @@ def test_bad_arguments_are_named():
         bad.setup(0)
     with pytest.raises(TypeError, match="reference"):
         GeneralizedEllipticalSliceSampler(prior=prior, log_likelihood=loglik, reference=3).setup(0)
+
+
+def test_t_reference_log_density_matches_scipy():
+    """``log R`` of the multivariate-t reference (up to a constant) against scipy."""
+    from scipy.stats import multivariate_t
+
+    *_, mean, cov = problem()
+    kern = kernel((mean, cov), df=4, chains=2, seed=0)
+    kern.setup(0)
+    batch = kern._batch
+    pts = torch.randn(6, K, generator=torch.Generator().manual_seed(3), dtype=f64).numpy()
+    ours = batch._log_reference(pts, torch.zeros(6, dtype=torch.long).numpy())
+    ref = multivariate_t(loc=mean.numpy(), shape=cov.numpy(), df=4).logpdf(pts)
+    torch.testing.assert_close(
+        torch.from_numpy(ours - ours[0]), torch.from_numpy(ref - ref[0]), rtol=0, atol=1e-10
+    )
+
+
+def test_pooled_refit_is_the_moments_of_all_chains_later_warmup_draws():
+    """After warm-up every chain's reference is the (shrunk, inflated) mean and covariance of
+    the later half of all chains' warm-up draws, computed here with torch from the trajectory."""
+    from pyro_subspace.infer import gess
+
+    chains, warmup = 4, 60  # per chain 30 draws < 20 K = 60: only the pool allows a refit
+    kern = kernel("warmup", chains=chains, seed=2)
+    assert kern.adapt
+    kern.setup(warmup)
+    params = kern.initial_params
+    for _ in range(warmup):
+        params = kern.sample(params)
+    batch = kern._batch
+    pool = torch.stack(batch.states[warmup // 2 + 1 :]).double().reshape(-1, K)
+    cov = torch.cov(pool.T)
+    s, c = gess.SHRINKAGE, gess.INFLATION
+    cov = c * ((1 - s) * cov + s * torch.diag(cov.diagonal()))
+    for j in range(chains):
+        torch.testing.assert_close(torch.from_numpy(batch.mu[j]), pool.mean(0))
+        tril = torch.from_numpy(batch.tril[j])
+        torch.testing.assert_close(tril @ tril.T, cov, rtol=1e-9, atol=1e-12)
+
+
+def test_fitted_reference_is_kept_and_starts_are_dispersed():
+    """By default a given reference is not refitted; chains start at draws of N(μ, 4Σ)."""
+    *_, mean, cov = problem()
+    n = 4000
+    kern = kernel((mean, cov), chains=n, seed=1)
+    assert not kern.adapt and kernel("warmup").adapt
+    kern.setup(60)
+    start = kern._batch.states[0].double()
+    params = kern.initial_params
+    for _ in range(60):
+        params = kern.sample(params)
+    torch.testing.assert_close(torch.from_numpy(kern._batch.mu[0]), mean)
+    var = 4 * cov.diagonal()  # covariance of N(μ, 4Σ), within 4.5 MC standard errors
+    se = ((var[:, None] * var[None, :] + (4 * cov) ** 2) / n).sqrt()
+    assert ((torch.cov(start.T) - 4 * cov).abs() <= 4.5 * se).all()
+    assert ((start.mean(0) - mean).abs() <= 4.5 * (var / n).sqrt()).all()

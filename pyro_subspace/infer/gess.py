@@ -28,7 +28,25 @@ advances all ``C`` chains together, each still-open bracket proposing once per p
 the ``(B, K)`` proposals in one batched call of the log-likelihood; Pyro's sequential driver then
 replays chain ``c``'s stored trajectory. Chain ``j`` draws its random numbers from its own
 generator (seeded from ``seed`` and ``j``), so the batched chains equal the chains run one at a
-time. Each chain adapts its reference from its own warm-up draws.
+time.
+
+Adaptation (by default only for ``reference="warmup"``, whose start is the prior): the
+reference is refitted from the later half of the warm-up draws of *all the chains advanced
+together*, pooled (as Nishihara et al., section 4, fit one reference to the states of many
+parallel chains), once the pool holds ≥ 20 K draws. A covariance from one
+chain's few warm-up draws is a poor reference: an elliptical slice move keeps the radius
+``|t − μ|`` correlated (even with ``R = π``, ``E[cos² φ] = 1/2``), so a chain's second moments
+have about a third of its draws as effective draws. Chains run one at a time (``chains=None``)
+can pool only their own draws. Adaptation ends with the warm-up; the draws after it come from a
+fixed kernel that leaves ``π`` invariant.
+
+A fitted reference (Laplace, SWAG moments, a given Gaussian) is kept fixed by default: it is
+deterministic, while a covariance estimated from ``n`` warm-up draws carries a sampling error of
+about ``(K + K(K+1)/2) / (2 n_eff)`` nats of KL divergence (``n_eff ≈ n/3`` for second moments,
+above), e.g. 0.25 nats for ``K = 10`` from 4 chains × 100 draws, more than the Laplace fit's own
+error on the subspace posteriors of the benchmarks (measured: the refit needed 1.1–1.9
+evaluations per draw where the Laplace reference needed 1.0–1.4, ``benchmarks/results/
+ess_vs_nuts_gess.txt``). Refit it (``adapt=True``) when the fit is known to be poor.
 """
 
 from __future__ import annotations
@@ -49,6 +67,7 @@ from torch.distributions import Independent
 REFERENCES = ("warmup", "laplace", "prior")
 INFLATION, SHRINKAGE = 1.2, 0.1  # of the covariance refitted from warm-up draws
 MIN_DRAWS_PER_DIM = 20  # a refit needs at least 20 K warm-up draws in its window
+START_DISPERSION = 2.0  # chains start at draws of N(μ, 4 Σ) of a fitted reference
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: chain j's seed is hash of (seed, j)
 
 
@@ -64,9 +83,11 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
             fitted `AutoSubspaceLaplace`, a ``Normal``/``MultivariateNormal`` over ``t``, or a
             pair ``(μ (K,), Σ (K, K) or (K,))``, e.g. SWAG moments mapped into the subspace.
         df: ``None`` for a Gaussian reference, a positive int for a multivariate-t reference.
-        adapt: refit ``(μ, Σ)`` from the chain's own warm-up draws (the later half, at warm-up
-            steps 25, 50, 100, … and at the end of warm-up, once that half holds ≥ 20 K draws;
-            a covariance from fewer draws was measured to be a worse reference than Laplace's).
+        adapt: refit ``(μ, Σ)`` from the warm-up draws of the chains advanced together,
+            pooled (the later half, at warm-up steps 25, 50, 100, … and at the end of warm-up,
+            once the pool holds ≥ 20 K draws). With ``chains=None`` each chain pools its own.
+            ``None`` (default): only for ``reference="warmup"``; a fitted reference is kept
+            (see the module notes: a refit from a few hundred draws is a worse reference).
         chains: ``None``: every ``MCMC`` chain is sampled on its own; an int ``C``: the kernel
             advances ``C`` chains together; run it with ``MCMC(..., num_chains=C)`` (in one
             process: in a worker of Pyro's multiprocessing driver each chain runs on its own).
@@ -89,7 +110,7 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
         model: Any = None,
         reference: Any = "warmup",
         df: int | None = None,
-        adapt: bool = True,
+        adapt: bool | None = None,
         chains: int | None = None,
         seed: int | None = None,
         chunk_size: int = 4096,
@@ -122,6 +143,8 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
         for name, value in (("chunk_size", chunk_size), ("max_shrinks", max_shrinks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if adapt is not None and not isinstance(adapt, bool):
+            raise TypeError(f"adapt: expected None, True or False, got {type(adapt).__name__}")
         if chains is not None and (
             isinstance(chains, bool) or not isinstance(chains, int) or chains < 1
         ):
@@ -129,7 +152,10 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed: expected an int or None, got {type(seed).__name__}")
         self.model, self.reference, self.df = model, reference, df
-        self.adapt, self.chains, self.seed = bool(adapt), chains, seed
+        if adapt is None:  # refit only a reference that starts as the prior
+            adapt = isinstance(reference, str) and reference == "warmup"
+        self.adapt = adapt
+        self.chains, self.seed = chains, seed
         self.chunk_size, self.max_shrinks = chunk_size, max_shrinks
         self._prior = prior if model is None else None
         self._user_loglik = log_likelihood
@@ -276,8 +302,8 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
 
 class _Batch:
     """``C`` chains advanced together: states ``(C, K)`` per step, each chain with its own
-    generator, reference ``(μ_c, L_c)`` and warm-up adaptation. The sampler's own arithmetic is
-    in float64 numpy (small arrays: per-operation overhead, not flops, is its cost); only the
+    generator and reference ``(μ_c, L_c)`` (the same for all after a pooled refit). The
+    sampler's own arithmetic is in float64 numpy (small arrays: per-operation overhead, not flops, is its cost); only the
     log-likelihood runs in torch, on the model's dtype."""
 
     def __init__(self, kernel, prior, loglik, mu, cov, seeds, warmup, start, args, kwargs):
@@ -301,9 +327,12 @@ class _Batch:
         self.mu = np.repeat(mu.cpu().numpy()[None], self.size, 0)
         self.tril = np.repeat(_cholesky(cov).cpu().numpy()[None], self.size, 0)
         self.tril_inv = np.linalg.inv(self.tril)
-        if start is None:  # a draw from the reference (the prior for "warmup"/"prior")
+        if start is None:  # a draw from the reference (the prior for "warmup"/"prior"),
+            # a fitted one widened: dispersed starts, so that R-hat can detect unmixed chains
             eps = np.stack([g.standard_normal(k) for g in self.gens])
-            x = self.mu + np.einsum("cij,cj->ci", self.tril, eps)
+            fitted = not (isinstance(kernel.reference, str) and kernel.reference != "laplace")
+            spread = START_DISPERSION if fitted else 1.0
+            x = self.mu + spread * np.einsum("cij,cj->ci", self.tril, eps)
         else:
             x = np.broadcast_to(start.cpu().numpy().reshape(-1, k), (self.size, k)).copy()
         self.lp = self._log_target(x)
@@ -382,25 +411,24 @@ class _Batch:
             self._refit(step)
 
     def _refit(self, step: int) -> None:
-        """``(μ_c, Σ_c)`` from the later half of chain ``c``'s warm-up draws so far."""
-        draws = torch.stack(self.states[step // 2 + 1 : step + 1]).double()  # (n, C, K)
-        n = draws.shape[0]
+        """``(μ, Σ)`` of every chain from the later half of all chains' warm-up draws so far,
+        pooled (Nishihara et al. 2014, section 4: one reference from many parallel chains)."""
+        draws = np.stack([s.double().cpu().numpy() for s in self.states[step // 2 + 1 : step + 1]])
+        pooled = draws.reshape(-1, self.k)  # (n C, K)
+        n = pooled.shape[0]
         if n < MIN_DRAWS_PER_DIM * self.k:  # a covariance from fewer draws is worse than none
             return
-        mean = draws.mean(0)
-        centred = draws - mean
-        cov = torch.einsum("nci,ncj->cij", centred, centred) / (n - 1)
+        mean = pooled.mean(0)
+        cov = np.cov(pooled, rowvar=False).reshape(self.k, self.k)
         # a little shrinkage towards the diagonal, and an inflation: a reference a bit wider
         # than the posterior keeps L̃ bounded in the tails
-        diag = torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
-        cov = INFLATION * ((1 - SHRINKAGE) * cov + SHRINKAGE * diag)
-        for c in range(self.size):
-            try:
-                tril = _cholesky(cov[c]).cpu().numpy()
-            except ValueError:
-                continue  # a degenerate window (e.g. a stuck chain): keep the old reference
-            self.mu[c], self.tril[c] = mean[c].cpu().numpy(), tril
-            self.tril_inv[c] = np.linalg.inv(tril)
+        cov = INFLATION * ((1 - SHRINKAGE) * cov + SHRINKAGE * np.diag(np.diag(cov)))
+        try:
+            tril = _cholesky(torch.from_numpy(cov)).cpu().numpy()
+        except ValueError:
+            return  # a degenerate window (e.g. stuck chains): keep the old reference
+        self.mu[:], self.tril[:] = mean, tril
+        self.tril_inv[:] = np.linalg.inv(tril)
 
 
 def _same(a: tuple, b: tuple) -> bool:
