@@ -303,8 +303,8 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
 class _Batch:
     """``C`` chains advanced together: states ``(C, K)`` per step, each chain with its own
     generator and reference ``(μ_c, L_c)`` (the same for all after a pooled refit). The
-    sampler's own arithmetic is in float64 numpy (small arrays: per-operation overhead, not flops, is its cost); only the
-    log-likelihood runs in torch, on the model's dtype."""
+    sampler's own arithmetic is in float64 numpy (small arrays: per-operation overhead, not
+    flops, is its cost); only the log-likelihood runs in torch, on the model's dtype."""
 
     def __init__(self, kernel, prior, loglik, mu, cov, seeds, warmup, start, args, kwargs):
         self.kernel, self.loglik, self.warmup = kernel, loglik, warmup
