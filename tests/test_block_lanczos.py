@@ -137,24 +137,27 @@ def test_block_product_streams_a_dataset_like_tensors():
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
+class LastStepLSTM(torch.nn.Module):
+    """An LSTM 3 -> 5 read at its last step, then a Linear 5 -> 4 (fused kernels: no forward AD)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(3, 5, batch_first=True)
+        self.out = torch.nn.Linear(5, 4)
+
+    def forward(self, x):
+        return self.out(self.rnn(x)[0][:, -1])
+
+
 def test_block_product_on_an_lstm_equals_single_vector_products():
     """Forward AD has no rule for the fused LSTM kernel: the block product falls back (as the
     single-vector product does) and its columns equal single-vector products ``G v_j``."""
-    from torch import nn
 
     from pyro_subspace import likelihoods
     from pyro_subspace.curvature import ggn_matrix_product, ggn_vector_product
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.rnn, self.out = nn.LSTM(3, 5, batch_first=True), nn.Linear(5, 4)
-
-        def forward(self, x):
-            return self.out(self.rnn(x)[0][:, -1])
-
     torch.manual_seed(0)
-    net, x = Net(), torch.randn(7, 6, 3)
+    net, x = LastStepLSTM(), torch.randn(7, 6, 3)
     v = torch.randn(sum(p.numel() for p in net.parameters()), 3)
     lik = likelihoods.Categorical()
     got = ggn_matrix_product(net, lik, x, v, chunk_size=4)

@@ -3,7 +3,6 @@ the dense GGN from the full autograd Jacobian (`test_curvature.dense_ggn`, indep
 
 import pytest
 import torch
-from torch import nn
 
 from pyro_subspace import likelihoods
 from pyro_subspace.curvature import GGNOperator, ggn_matrix_product, ggn_vector_product
@@ -54,16 +53,10 @@ def test_operator_at_other_weights():
 def test_operator_on_an_lstm_equals_single_vector_products():
     """Fused LSTM kernels: the operator retries with plain kernels (or recomputes); float32."""
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.rnn, self.out = nn.LSTM(3, 5, batch_first=True), nn.Linear(5, 4)
-
-        def forward(self, x):
-            return self.out(self.rnn(x)[0][:, -1])
+    from tests.test_block_lanczos import LastStepLSTM
 
     torch.manual_seed(0)
-    net, x = Net(), torch.randn(7, 6, 3)
+    net, x = LastStepLSTM(), torch.randn(7, 6, 3)
     lik = likelihoods.Categorical()
     v = torch.randn(sum(p.numel() for p in net.parameters()), 3)
     want = torch.stack([ggn_vector_product(net, lik, x, c, chunk_size=4) for c in v.T], 1)
