@@ -49,7 +49,7 @@ TINY = os.environ.get("PYRO_SUBSPACE_TINY") == "1"
 OUT = Path(os.environ.get("PYRO_SUBSPACE_OUT", "out"))
 OUT.mkdir(parents=True, exist_ok=True)
 EPOCHS, SWA_EPOCHS = (30, 10) if TINY else (2000, 100)
-SAMPLES, WARMUP = (30, 10) if TINY else (500, 200)
+SAMPLES, WARMUP = (100, 50) if TINY else (500, 200)  # GESS starts dispersed: >= 50 warm-up
 torch.manual_seed(0)
 pyro.set_rng_seed(0)
 
@@ -134,10 +134,11 @@ print("wrote", OUT / "02_elliptical_slice.png")
 # ## A fitted reference: generalised elliptical slice sampling
 # At `T = 1` the posterior is much narrower than the prior and plain ESS shrinks its bracket
 # many times per draw. `GeneralizedEllipticalSliceSampler` slices over a Gaussian reference
-# `N(μ, Σ)` fitted to the posterior (here the Laplace guide, refined from the warm-up draws) and
-# treats `p(t) L(t) / N(t; μ, Σ)` as the likelihood (Nishihara, Murray & Adams, 2014);
-# `chains=2` advances both chains in one batched likelihood evaluation. Checked against the
-# Laplace approximation it started from: at `T = 1` on 400 points the posterior is close to
+# `N(μ, Σ)` fitted to the posterior (here the Laplace guide, kept fixed; the chains start
+# dispersed, at draws of `N(μ, 4Σ)`, so that R-hat can see unmixed chains) and treats
+# `p(t) L(t) / N(t; μ, Σ)` as the likelihood (Nishihara, Murray & Adams, 2014); `chains=2`
+# advances both chains in one batched likelihood evaluation. Checked against the Laplace
+# approximation it started from: at `T = 1` on 400 points the posterior is close to
 # Gaussian, so the sampled mean lies within a fraction of a posterior standard deviation of the
 # MAP and the sampled spread is within a factor 2 of Laplace's.
 
