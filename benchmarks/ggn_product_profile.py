@@ -69,8 +69,7 @@ def profile(name: str, repeats: int, quick: bool) -> None:
         ("linearized jvp + kept vjp", 1): linearized,
     }
     for b in BLOCKS:
-        runs[(f"ggn_matrix_product b={b}", b)] = lambda b=b: ggn_matrix_product(
-            net, lik, x, vs[b])
+        runs[(f"ggn_matrix_product b={b}", b)] = lambda b=b: ggn_matrix_product(net, lik, x, vs[b])
         runs[(f"GGNOperator.matmat b={b}", b)] = lambda b=b: op.matmat(vs[b])
     best = {}
     for r in range(repeats + 1):  # round 0 warms up
@@ -81,8 +80,10 @@ def profile(name: str, repeats: int, quick: bool) -> None:
             if r > 0:
                 best[key] = min(best.get(key, float("inf")), dt)
     single = best[("ggn_vector_product (dual-number pass)", 1)]
-    print(f"\n{label}; GGNOperator caches {op.cached_bytes / 2**20:.1f} MiB of saved "
-          f"tensors ({op.cached_rows}/{op.total_rows} rows)")
+    print(
+        f"\n{label}; GGNOperator caches {op.cached_bytes / 2**20:.1f} MiB of saved "
+        f"tensors ({op.cached_rows}/{op.total_rows} rows)"
+    )
     print(f"{'what':<42}{'ms per call':>12}{'ms per vector':>15}{'vs ggn_vector_product':>23}")
     for (what, b), t in best.items():
         per = t / b if b else float("nan")

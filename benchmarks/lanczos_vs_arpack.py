@@ -78,8 +78,17 @@ def problem(name: str, quick: bool):
         x, y = x[:200], y[:200]
         hidden = tuple(h // 2 for h in hidden)
     net = mlp(x.shape[1], n_out, hidden)
-    fit_map(net, lik, x, y, epochs=50 if quick else 300, lr=1e-2,
-            weight_decay=1.0 / x.shape[0], seed=0, progress=False)
+    fit_map(
+        net,
+        lik,
+        x,
+        y,
+        epochs=50 if quick else 300,
+        lr=1e-2,
+        weight_decay=1.0 / x.shape[0],
+        seed=0,
+        progress=False,
+    )
     if name == "diabetes":  # fix σ at the MAP's value (a Gaussian with fixed noise)
         lik = likelihoods.Gaussian(sigma=float(lik.sigma.detach()))
     d = sum(p.numel() for p in net.parameters())
@@ -150,6 +159,7 @@ def compare(name: str, args: argparse.Namespace) -> None:
             op = Timed(GGNOperator(net, lik, x))  # built inside the timing, for every solver
             values = method(op)
             return np.asarray(values), op.products, op.seconds
+
         return run
 
     def arpack(op, t=tol):
@@ -158,29 +168,40 @@ def compare(name: str, args: argparse.Namespace) -> None:
 
     runs = {
         "eigsh (ARPACK)": solve(arpack),
-        "thick_restart_lanczos_eigh": solve(lambda op: thick_restart_lanczos_eigh(
-            op.torch_matvec, d, k, tol=tol, v0=torch.from_numpy(v0))[0]),
+        "thick_restart_lanczos_eigh": solve(
+            lambda op: thick_restart_lanczos_eigh(
+                op.torch_matvec, d, k, tol=tol, v0=torch.from_numpy(v0)
+            )[0]
+        ),
     }
     for b in blocks:
-        runs[f"block_lanczos_eigh b={b}"] = solve(lambda op, b=b: block_lanczos_eigh(
-            op.torch_matmat, d, k, block_size=b, num_iter=d, tol=tol, seed=0)[0])
+        runs[f"block_lanczos_eigh b={b}"] = solve(
+            lambda op, b=b: block_lanczos_eigh(
+                op.torch_matmat, d, k, block_size=b, num_iter=d, tol=tol, seed=0
+            )[0]
+        )
     runs["lanczos_eigh (60, no test)"] = solve(
-        lambda op: lanczos_eigh(op.torch_matvec, d, k, seed=0)[0])
+        lambda op: lanczos_eigh(op.torch_matvec, d, k, seed=0)[0]
+    )
     best, results = rounds(runs, args.repeats)
     reference = solve(lambda op: arpack(op, 1e-12))()[0]
     dense = dense_top(net, lik, x, k) if small else None
     cache = GGNOperator(net, lik, x).cached_bytes / 2**20
     print(f"\n{label}; GGNOperator holds {cache:.1f} MiB of saved tensors")
     print("table 1: the same GGNOperator product for every solver")
-    print(f"{'method':<30}{'time s':>8}{'products':>9}{'in op s':>9}{'other s':>9}"
-          f"{'vs ARPACK':>11}{'err eigsh1e-12':>16}{'err dense':>11}")
+    print(
+        f"{'method':<30}{'time s':>8}{'products':>9}{'in op s':>9}{'other s':>9}"
+        f"{'vs ARPACK':>11}{'err eigsh1e-12':>16}{'err dense':>11}"
+    )
     base = best["eigsh (ARPACK)"][0]
     for key in runs:
         (t, inside), (values, products, _) = best[key], results[key]
         err = np.abs(values - reference).max() / abs(reference[0])
         err_d = (np.abs(values - dense).max() / abs(dense[0])) if small else float("nan")
-        print(f"{key:<30}{t:>8.3f}{products:>9d}{inside:>9.3f}{t - inside:>9.3f}"
-              f"{base / t:>10.2f}x{err:>16.1e}{err_d:>11.1e}")
+        print(
+            f"{key:<30}{t:>8.3f}{products:>9d}{inside:>9.3f}{t - inside:>9.3f}"
+            f"{base / t:>10.2f}x{err:>16.1e}{err_d:>11.1e}"
+        )
 
     count = [0]
 
@@ -199,6 +220,7 @@ def compare(name: str, args: argparse.Namespace) -> None:
             count[0] = 0
             values = fn()
             return np.asarray(values), count[0], 0.0
+
         return run
 
     matvec = GGNOperator.matvec
@@ -225,8 +247,10 @@ def compare(name: str, args: argparse.Namespace) -> None:
     }
     best, results = rounds(runs, args.repeats)
     print("table 2: the library as called (eigsh on the stateless product)")
-    print(f"{'method':<30}{'time s':>8}{'products':>9}{'vs eigsh on ggn_vector_product':>32}"
-          f"{'err eigsh1e-12':>16}")
+    print(
+        f"{'method':<30}{'time s':>8}{'products':>9}{'vs eigsh on ggn_vector_product':>32}"
+        f"{'err eigsh1e-12':>16}"
+    )
     base = best["eigsh on ggn_vector_product"][0]
     for key in runs:
         t, (values, products, _) = best[key][0], results[key]
@@ -246,11 +270,14 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore")
     k, tol = args.k, args.tol
     print(f"# load average at start: {os.getloadavg()[0]:.2f}")
-    print(f"Top-{k} GGN eigenpairs, float64, tol = {tol:g}, 1 torch thread, best of "
-          f"{args.repeats} interleaved rounds")
+    print(
+        f"Top-{k} GGN eigenpairs, float64, tol = {tol:g}, 1 torch thread, best of "
+        f"{args.repeats} interleaved rounds"
+    )
     for name in ("diabetes", "digits"):
         compare(name, args)
     print(f"\n# load average at end: {os.getloadavg()[0]:.2f}")
+
 
 if __name__ == "__main__":
     main()

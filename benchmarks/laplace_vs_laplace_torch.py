@@ -198,7 +198,7 @@ def fit_theirs(Laplace, task: Task, net: nn.Module, x, y, batch: int, backend: s
     with warnings.catch_warnings():  # BackPack/ASDL hook deprecation notices
         warnings.simplefilter("ignore", (UserWarning, FutureWarning))
         la.fit(DataLoader(TensorDataset(x, targets), batch_size=batch))
-        la.posterior_covariance  # noqa: B018 -- force the K x K factorisation, as ours does
+        la.posterior_covariance
     return la
 
 
@@ -266,7 +266,7 @@ def screen(Laplace, task: Task, configs) -> dict:
             start = time.perf_counter()
             fit_theirs(Laplace, task, net, x, y, batch, backend)
             out[backend, batch] = time.perf_counter() - start
-        except Exception as exc:  # noqa: BLE001 -- report any backend failure, keep going
+        except Exception as exc:
             out[backend, batch] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:70]}"
     return out
 

@@ -76,8 +76,6 @@ def rotated_digits(data: Dataset, angle: float) -> torch.Tensor:
     return (rotate_images(raw, angle) - data.x_mean) / data.x_std
 
 
-
-
 OOD_KINDS = ("noise", "permuted", "scaled")
 
 

@@ -53,7 +53,7 @@ from pyro_subspace.infer import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
-from benchmarks.ood import digits_split_classes, ood_sets, rotated_digits  # noqa: E402
+from benchmarks.ood import digits_split_classes, ood_sets, rotated_digits
 
 SWA_LRS = (0.1, 0.05, 0.01, 0.005, 0.001)  # MoLA App. F's grid for SWAG, largest first
 METHODS = ("MAP", "DE", "SWAG", "MultiSWAG", "LLLA", "MoLA")

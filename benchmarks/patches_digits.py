@@ -37,8 +37,8 @@ from pyro_subspace import datasets
 from pyro_subspace.metrics import classification_scores as scores
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
-from benchmarks.ood import rotated_digits  # noqa: E402
-from benchmarks.protocols import train_method  # noqa: E402
+from benchmarks.ood import rotated_digits
+from benchmarks.protocols import train_method
 
 METHODS = ("vanilla", "dropout", "emp", "ecmp", "ensemble")
 ANGLES = (0, 15, 30, 45, 60)
@@ -57,8 +57,8 @@ def step_ratios(rounds: int = 7, epochs: int = 5, hidden: int = 128) -> list[str
     of 128 each) from where the previous call of that method left off."""
     import pyro
 
-    from pyro_subspace import PatchedNet, fit_map, likelihoods
     from benchmarks.protocols import bn_mlp
+    from pyro_subspace import PatchedNet, fit_map, likelihoods
 
     data = datasets.digits(seed=0)
     x, y, n = data.x_train, data.y_train, data.n_train
@@ -77,7 +77,9 @@ def step_ratios(rounds: int = 7, epochs: int = 5, hidden: int = 128) -> list[str
         patched = bn_mlp(data.n_features, 10, hidden=hidden, seed=0)
         model = PatchedNet(patched, lik, mode=mode, sigma=0.0, seed=0)
         train = dict(epochs=epochs, batch_size=128, seed=0)
-        user = pyro.infer.SVI(model, model.guide, pyro.optim.Adam({"lr": 1e-3}), pyro.infer.Trace_ELBO())
+        user = pyro.infer.SVI(
+            model, model.guide, pyro.optim.Adam({"lr": 1e-3}), pyro.infer.Trace_ELBO()
+        )
 
         def per_site() -> None:  # the tutorial's SVI over the per-tensor sites, same step count
             gen = torch.Generator().manual_seed(0)

@@ -53,8 +53,8 @@ from pyro_subspace import PatchedNet, datasets, fit_map, likelihoods
 from pyro_subspace.metrics import classification_scores
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
-from benchmarks.ood import rotate_images  # noqa: E402
-from benchmarks.protocols import bn_mlp  # noqa: E402
+from benchmarks.ood import rotate_images
+from benchmarks.protocols import bn_mlp
 
 METHODS = ("vanilla", "dropout", "emp", "ecmp", "deep_ens")
 SHIFTS = ("clean", "rot15", "rot30", "noise4")
@@ -71,7 +71,10 @@ def overconfident_split(seed: int, n_train: int) -> dict:
     )
     mean, std = x_tr.mean(0), x_tr.std(0)
     std = np.where(std > 0, std, 1.0)
-    mean, std = torch.as_tensor(mean, dtype=torch.float32), torch.as_tensor(std, dtype=torch.float32)
+    mean, std = (
+        torch.as_tensor(mean, dtype=torch.float32),
+        torch.as_tensor(std, dtype=torch.float32),
+    )
     raw = torch.as_tensor(x_te, dtype=torch.float32)
     gen = torch.Generator().manual_seed(10_000 + seed)
     noisy = (raw + 4.0 * torch.randn(raw.shape, generator=gen)).clamp(0.0, 16.0)
@@ -123,15 +126,24 @@ def train_all(split: dict, seed: int, args: argparse.Namespace) -> dict:
         net = bn_mlp(64, 10, hidden=args.hidden, seed=s)
         torch.manual_seed(s)
         losses = fit_map(
-            net, lik, x, y, lr=1e-3, weight_decay=args.tau / n, progress=False,
+            net,
+            lik,
+            x,
+            y,
+            lr=1e-3,
+            weight_decay=args.tau / n,
+            progress=False,
             **{**train, "seed": s},
         )
         return net.eval(), losses[-1]
 
     t0 = time.process_time()
     net, last = vanilla(seed)
-    trained["vanilla"] = (lambda xt, net=net: net(xt).softmax(-1)[None], time.process_time() - t0,
-                          {"train_loss": last})
+    trained["vanilla"] = (
+        lambda xt, net=net: net(xt).softmax(-1)[None],
+        time.process_time() - t0,
+        {"train_loss": last},
+    )
     t0 = time.process_time()
     members = [net] + [vanilla(1000 * (j + 1) + seed)[0] for j in range(args.k - 1)]
     trained["deep_ens"] = (
@@ -143,8 +155,14 @@ def train_all(split: dict, seed: int, args: argparse.Namespace) -> dict:
         pyro.clear_param_store()
         torch.manual_seed(seed)
         model = PatchedNet(
-            bn_mlp(64, 10, hidden=args.hidden, seed=seed), lik, mode=mode, n_components=args.k,
-            prior_precision=args.tau, sigma=0.0, drop_prob=0.1, seed=seed,
+            bn_mlp(64, 10, hidden=args.hidden, seed=seed),
+            lik,
+            mode=mode,
+            n_components=args.k,
+            prior_precision=args.tau,
+            sigma=0.0,
+            drop_prob=0.1,
+            seed=seed,
         )
         init_spread = component_spread(model) if mode != "dropout" else {}
         t0 = time.process_time()
@@ -174,12 +192,23 @@ def jitter_ablation(args: argparse.Namespace, jitters=(0.1, 0.5)) -> list[str]:
                 pyro.clear_param_store()
                 torch.manual_seed(seed)
                 model = PatchedNet(
-                    bn_mlp(64, 10, hidden=args.hidden, seed=seed), lik, mode=mode,
-                    n_components=args.k, prior_precision=args.tau, sigma=0.0,
-                    init_jitter=jit, seed=seed,
+                    bn_mlp(64, 10, hidden=args.hidden, seed=seed),
+                    lik,
+                    mode=mode,
+                    n_components=args.k,
+                    prior_precision=args.tau,
+                    sigma=0.0,
+                    init_jitter=jit,
+                    seed=seed,
                 )
-                model.fit(split["x"], split["y"], lr=1e-3, epochs=args.epochs,
-                          batch_size=args.batch_size, seed=seed)
+                model.fit(
+                    split["x"],
+                    split["y"],
+                    lr=1e-3,
+                    epochs=args.epochs,
+                    batch_size=args.batch_size,
+                    seed=seed,
+                )
                 model.eval()
                 spread = component_spread(model)
                 row = rows.setdefault((mode, jit), {})
@@ -272,9 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{args.tau / args.n_train:.2g}), K={args.k}, sigma=0, dropout p=0.1, S={args.samples}; "
         f"mean ± standard error over {args.seeds} seed(s)",
         "final training loss (mean NLL per point, last epoch): "
-        + ", ".join(
-            f"{m} {_se(v, digits=4)}" for m, v in train_loss.items() if v
-        ),
+        + ", ".join(f"{m} {_se(v, digits=4)}" for m, v in train_loss.items() if v),
     ]
     for shift in SHIFTS:
         lines += ["", f"Test set: {shift}"]

@@ -117,7 +117,7 @@ def classify(fn, arg: str) -> tuple[str, str]:
             fn()
     except SystemExit as e:  # the CLI: argparse's usage error
         return ("named" if e.code == 2 and CALLS[0] == 0 else "raw"), f"exit {e.code}"
-    except Exception as e:  # noqa: BLE001 (classifying every kind is the point)
+    except Exception as e:
         frames = traceback.extract_tb(e.__traceback__)
         origin = frames[-1].filename if frames else ""
         ours = f"{os.sep}pyro_subspace{os.sep}" in origin and "site-packages" not in origin
@@ -287,8 +287,18 @@ def build() -> None:
     data_probes("AutoSubspaceLaplace.fit", lap_fit)
     probe("AutoSubspaceLaplace.fit", "max_iter 0", "max_iter", lambda: lap_fit(X, Y, max_iter=0))
     probe("AutoSubspaceLaplace.fit", "tol nan", "tol", lambda: lap_fit(X, Y, tol=math.nan))
-    probe("AutoSubspaceLaplace.fit", "newton_steps -1", "newton_steps", lambda: lap_fit(X, Y, newton_steps=-1))
-    probe("AutoSubspaceLaplace.fit", "newton_steps 2.5", "newton_steps", lambda: lap_fit(X, Y, newton_steps=2.5))
+    probe(
+        "AutoSubspaceLaplace.fit",
+        "newton_steps -1",
+        "newton_steps",
+        lambda: lap_fit(X, Y, newton_steps=-1),
+    )
+    probe(
+        "AutoSubspaceLaplace.fit",
+        "newton_steps 2.5",
+        "newton_steps",
+        lambda: lap_fit(X, Y, newton_steps=2.5),
+    )
     probe(
         "AutoSubspaceLaplace(...)",
         "hessian_structure 'kron'",

@@ -377,8 +377,11 @@ def main() -> None:
     parser.add_argument("--scaling-only", action="store_true",
                         help="only the strong-scaling table (needs a quiet machine)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--cnn-rows", default=None,
-                        help="full mode: comma-separated N for the CNN (default 256,512,1024)")
+    parser.add_argument(
+        "--cnn-rows",
+        default=None,
+        help="full mode: comma-separated N for the CNN (default 256,512,1024)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     load = os.getloadavg()

@@ -7,9 +7,9 @@ Predictive) runs over the few coordinates ``t`` while the rest stays at a point 
 from . import convert, datasets, distributed, infer, likelihoods, metrics, subspaces
 from .exceptions import ConvergenceWarning, TrainingDivergedError
 from .flat import FlatNet
-from .threads import num_threads, set_num_threads
 from .infer import EllipticalSliceSampler
 from .nn import PatchedNet, SubspaceNet
+from .threads import num_threads, set_num_threads
 from .train import fit_map
 
 __version__ = "0.1.0"
@@ -22,8 +22,8 @@ __all__ = [
     "SubspaceNet",
     "TrainingDivergedError",
     "convert",
-    "distributed",
     "datasets",
+    "distributed",
     "fit_map",
     "infer",
     "likelihoods",

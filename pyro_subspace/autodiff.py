@@ -83,7 +83,10 @@ def _batched(strategy: str, f: Callable, w: torch.Tensor, tangents: torch.Tensor
 
 
 def jvps(
-    net: nn.Module, f: Callable[[torch.Tensor], torch.Tensor], w: torch.Tensor, tangents: torch.Tensor
+    net: nn.Module,
+    f: Callable[[torch.Tensor], torch.Tensor],
+    w: torch.Tensor,
+    tangents: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(f(w), J v_k for each k)`` for ``tangents`` ``(K, D)``: ``out`` and ``jv`` of shape
     ``(K, *out.shape)``, by the first strategy (module docstring) that works for ``net``."""

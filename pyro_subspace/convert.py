@@ -21,10 +21,9 @@ works on a `SubspaceNet` too but always exports the untempered term.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
-
-import warnings
 
 import arviz as az
 import numpy as np

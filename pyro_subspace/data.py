@@ -18,7 +18,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from . import distributed
-
 from ._checks import all_finite, positive_int  # all_finite: re-exported
 
 
@@ -34,9 +33,7 @@ class DataSource:
     ``local_num_data`` the rows of this rank's shard.
     """
 
-    def __init__(
-        self, x: object, y: torch.Tensor | None = None, chunk_size: int = 4096
-    ) -> None:
+    def __init__(self, x: object, y: torch.Tensor | None = None, chunk_size: int = 4096) -> None:
         positive_int(chunk_size, "chunk_size")
         self.chunk_size = chunk_size
         if isinstance(x, (Dataset, DataLoader)):

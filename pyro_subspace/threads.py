@@ -31,7 +31,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["FEW_CORES", "ENV_VAR", "num_threads", "resolve_num_threads", "set_num_threads"]
+__all__ = ["ENV_VAR", "FEW_CORES", "num_threads", "resolve_num_threads", "set_num_threads"]
 
 #: the environment variable read when `set_num_threads` has not been called
 ENV_VAR = "PYRO_SUBSPACE_NUM_THREADS"

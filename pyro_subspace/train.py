@@ -154,8 +154,15 @@ def fit_map(
             collector.collect()
 
     if streamed:  # memory bounded by the batch
-        loader = x if isinstance(x, DataLoader) else DataLoader(
-            x, batch_size=batch_size or len(x), shuffle=True, generator=gen  # type: ignore[arg-type]
+        loader = (
+            x
+            if isinstance(x, DataLoader)
+            else DataLoader(
+                x,
+                batch_size=batch_size or len(x),
+                shuffle=True,
+                generator=gen,  # type: ignore[arg-type]
+            )
         )
 
         def phase(epochs: int, opt: torch.optim.Optimizer, desc: str) -> list[float]:

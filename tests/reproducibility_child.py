@@ -16,12 +16,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 warnings.simplefilter("ignore")
 
-import pyro  # noqa: E402
-from pyro.infer import MCMC, NUTS, SVI, Trace_ELBO  # noqa: E402
-from pyro.infer.autoguide import AutoNormal  # noqa: E402
-from torch import nn  # noqa: E402
+import pyro
+from pyro.infer import MCMC, NUTS, SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+from torch import nn
 
-from pyro_subspace import (  # noqa: E402
+from pyro_subspace import (
     EllipticalSliceSampler,
     PatchedNet,
     SubspaceNet,
@@ -29,7 +29,7 @@ from pyro_subspace import (  # noqa: E402
     likelihoods,
     subspaces,
 )
-from pyro_subspace.infer import AutoSubspaceLaplace, MixtureOfLaplace  # noqa: E402
+from pyro_subspace.infer import AutoSubspaceLaplace, MixtureOfLaplace
 
 
 def digest(*tensors):

@@ -48,8 +48,12 @@ def test_block_lanczos_on_the_ggn_equals_dense_eigh(block_size):
     g = dense_ggn(net, lik, x)
     d = g.shape[0]
     values, vectors, used = block_lanczos_eigh(
-        lambda v: ggn_matrix_product(net, lik, x, v), d, 5, block_size=block_size,
-        num_iter=d, tol=1e-10,
+        lambda v: ggn_matrix_product(net, lik, x, v),
+        d,
+        5,
+        block_size=block_size,
+        num_iter=d,
+        tol=1e-10,
     )
     ref = torch.linalg.eigvalsh(g).flip(0)
     gap = float((ref[:5] - ref[1:6]).min() / ref[0])
@@ -61,8 +65,9 @@ def test_block_lanczos_on_the_ggn_equals_dense_eigh(block_size):
 def test_block_lanczos_meets_its_residual_tolerance_on_random_spd():
     a = random_spd(80, 10.0 * 0.8 ** torch.arange(80, dtype=torch.float64), seed=3)
     for tol in (1e-4, 1e-10):
-        values, vectors, used = block_lanczos_eigh(lambda v: a @ v, 80, 6, block_size=3,
-                                                   num_iter=80, tol=tol)
+        values, vectors, used = block_lanczos_eigh(
+            lambda v: a @ v, 80, 6, block_size=3, num_iter=80, tol=tol
+        )
         residual = (a @ vectors - vectors * values).norm(dim=0)
         assert (residual <= tol * values.abs()).all()  # the stopping test, checked densely
         assert used < 80  # stopped early
@@ -73,8 +78,9 @@ def test_block_lanczos_exact_at_full_budget_and_rank_deficient():
     gen = torch.Generator().manual_seed(4)
     m = torch.randn(30, 30, generator=gen, dtype=torch.float64)
     wishart = m @ m.T / 30
-    values, vectors, used = block_lanczos_eigh(lambda v: wishart @ v, 30, 4, block_size=4,
-                                               num_iter=30)
+    values, vectors, used = block_lanczos_eigh(
+        lambda v: wishart @ v, 30, 4, block_size=4, num_iter=30
+    )
     assert used == 30
     check_pairs(values, vectors, wishart, 4, 1e-12, 1e-8)
     lam = torch.zeros(20, dtype=torch.float64)

@@ -201,6 +201,7 @@ def test_ggn_diagonal_on_a_conv_bn_net_matches_dense(chunk_size):
         got = ggn_diagonal(net, lik, x, chunk_size)
         assert torch.allclose(got, want, rtol=1e-10, atol=1e-12 * float(want.abs().max()))
 
+
 def random_spd(dim, eigenvalues, seed):
     gen = torch.Generator().manual_seed(seed)
     q = torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=torch.float64)).Q

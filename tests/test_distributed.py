@@ -34,7 +34,9 @@ def problem(sigma=0.3):
     y = torch.sin(x.sum(1)) + 0.1 * torch.randn(N, generator=gen, dtype=torch.float64)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double()
-    sub = subspaces.subnetwork(net, strategy="indices", indices=torch.tensor([0, 5, 11, 20, 33, 40]))
+    sub = subspaces.subnetwork(
+        net, strategy="indices", indices=torch.tensor([0, 5, 11, 20, 33, 40])
+    )
     model = SubspaceNet(net, sub, likelihoods.Gaussian(sigma), prior_scale=1.5)
     return net, model, x, y
 

@@ -229,9 +229,9 @@ def test_recompute_batchnorm_uses_the_statistics_at_the_proposal_and_restores_th
     t = torch.randn(3)
     used = []  # the statistics BatchNorm normalises with in the likelihood's (eval) passes
     hook = net[1].register_forward_pre_hook(
-        lambda m, inputs: used.append((m.running_mean.clone(), m.running_var.clone()))
-        if not m.training
-        else None
+        lambda m, inputs: (
+            used.append((m.running_mean.clone(), m.running_var.clone())) if not m.training else None
+        )
     )
     kernel.log_likelihood({"t": t})
     hook.remove()

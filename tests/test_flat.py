@@ -114,10 +114,7 @@ def test_evaluate_overrides_some_parameters_and_per_draw_buffers():
     w = torch.randn(2, 2, 8)
     means = torch.randn(2, 8)
     expected = torch.stack(
-        [
-            _copy_with(net, {"3.weight": w[i]}, {"1.running_mean": means[i]})(x)
-            for i in range(2)
-        ]
+        [_copy_with(net, {"3.weight": w[i]}, {"1.running_mean": means[i]})(x) for i in range(2)]
     )
     for strategy in ("vmap", "loop"):
         got = FlatNet(net, batch_strategy=strategy).evaluate(

@@ -22,10 +22,12 @@ def test_operator_products_equal_the_dense_ggn(case):
     torch.testing.assert_close(op(v[:, 1]), g @ v[:, 1], rtol=1e-10, atol=1e-12)
     assert op.products == 1 + 4 + 1 + 1
     # the stateless products agree too (dual-number pass; b = 1 dispatches to it)
-    torch.testing.assert_close(ggn_vector_product(net, lik, x, v[:, 2]), g @ v[:, 2],
-                               rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(ggn_matrix_product(net, lik, x, v[:, 3:]), g @ v[:, 3:],
-                               rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        ggn_vector_product(net, lik, x, v[:, 2]), g @ v[:, 2], rtol=1e-10, atol=1e-12
+    )
+    torch.testing.assert_close(
+        ggn_matrix_product(net, lik, x, v[:, 3:]), g @ v[:, 3:], rtol=1e-10, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("budget", [0, 1])
@@ -46,8 +48,9 @@ def test_operator_at_other_weights():
     w = torch.cat([p.detach().reshape(-1) for p in net.parameters()]) * 0.5
     v = torch.randn(w.numel(), dtype=torch.float64)
     op = GGNOperator(net, lik, x, w=w)
-    torch.testing.assert_close(op.matvec(v), ggn_vector_product(net, lik, x, v, w=w),
-                               rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(
+        op.matvec(v), ggn_vector_product(net, lik, x, v, w=w), rtol=1e-12, atol=1e-13
+    )
 
 
 def test_operator_on_an_lstm_equals_single_vector_products():

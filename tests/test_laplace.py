@@ -278,7 +278,9 @@ def test_validation_grid_picks_the_best_refit():
     scores = validation_log_likelihood(guide, x[25:], y[25:], grid)
     for lam, score in zip(grid, scores):  # second path: refit at λ and score by hand
         refit = AutoSubspaceLaplace(model, prior_precision=float(lam))
-        mean, var = _mean_var(linearized_predictive(refit.fit(x[:25], y[:25], find_map=False), x[25:]))
+        mean, var = _mean_var(
+            linearized_predictive(refit.fit(x[:25], y[:25], find_map=False), x[25:])
+        )
         ll = torch.distributions.Normal(mean[:, 0], var[:, 0].sqrt()).log_prob(y[25:]).mean()
         assert float(score) == pytest.approx(float(ll), rel=1e-10)
     guide.optimize_prior_precision("grid", x_val=x[25:], y_val=y[25:], grid=grid)

@@ -44,8 +44,10 @@ def test_model_and_guide_share_one_prior():
     t = guide.loc
     lam = guide.prior_precision_matrix()
     d = t - guide.prior_loc
-    expected = -0.5 * d @ lam @ d + 0.5 * torch.logdet(lam) - 1.5 * torch.log(
-        torch.tensor(2 * torch.pi, dtype=torch.float64)
+    expected = (
+        -0.5 * d @ lam @ d
+        + 0.5 * torch.logdet(lam)
+        - 1.5 * torch.log(torch.tensor(2 * torch.pi, dtype=torch.float64))
     )
     assert float(model.prior().log_prob(t)) == pytest.approx(float(expected), rel=1e-10)
 

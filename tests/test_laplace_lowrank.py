@@ -82,9 +82,7 @@ def test_low_rank_is_the_dense_formula_of_its_own_eigenpairs(rank):
     with eval_mode(la.model.flat.net), torch.no_grad():
         loglik = likelihoods.Categorical().log_prob(la.model.flat.net(x), y).sum()
     d = la.loc + la.model.subspace.shift.double()
-    expected = (
-        loglik / temp - lam * d @ d / 2 + k * math.log(lam) / 2 - torch.logdet(precision) / 2
-    )
+    expected = loglik / temp - lam * d @ d / 2 + k * math.log(lam) / 2 - torch.logdet(precision) / 2
     assert float(la.log_marginal_likelihood()) == pytest.approx(float(expected), rel=1e-10)
 
 
@@ -124,7 +122,9 @@ def test_noise_scale_retuning_equals_a_refit_at_that_noise():
     )
     a.optimize_prior_precision(optimize_sigma=True)  # rescales the eigenvalues in place
     assert float(a.likelihood.sigma) != 0.25
-    b2 = Laplace(net, likelihoods.Gaussian(float(a.likelihood.sigma)), "all", "lowrank", 1.0, rank=3)
+    b2 = Laplace(
+        net, likelihoods.Gaussian(float(a.likelihood.sigma)), "all", "lowrank", 1.0, rank=3
+    )
     b2.fit(x, y, find_map=False)
     # σ is held in float32 (rounding 6e-8 relative, 1.2e-7 in σ²)
     assert torch.allclose(unpack(a.ggn)[2], unpack(b2.ggn)[2], rtol=1e-6)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.func import functional_call
 
 from pyro_subspace import PatchedNet, likelihoods
-from pyro_subspace.nn.patch_flat import UniformAssignments, flat_means
+from pyro_subspace.nn.patch_flat import flat_means
 from pyro_subspace.nn.patch_svi import JointOptim, swapped_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")

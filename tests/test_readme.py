@@ -11,21 +11,21 @@ def test_readme_example_runs():
     code = code.replace("epochs=1000", "epochs=20").replace("swa_epochs=50", "swa_epochs=12")
     code = code.replace("num_samples=300, warmup_steps=100", "num_samples=15, warmup_steps=5")
     namespace: dict = {}
-    exec(compile(code, str(README), "exec"), namespace)  # noqa: S102 - the README is ours
+    exec(compile(code, str(README), "exec"), namespace)
     idata = namespace["idata"]
     assert idata.posterior["t"].shape == (1, 15, 10)
     assert idata.log_likelihood["obs"].shape == (1, 15, 400)
 
 
 # ------------------------------------------------------------------ the README's commands
-import math  # noqa: E402
-import shlex  # noqa: E402
+import math
+import shlex
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from sklearn.datasets import load_diabetes  # noqa: E402
+import numpy as np
+import pytest
+from sklearn.datasets import load_diabetes
 
-from pyro_subspace import cli  # noqa: E402
+from pyro_subspace import cli
 
 #: per command kind, settings that shrink the run but keep the defaults under test (--epochs
 #: auto on real data, the learned noise, the weight decay); tutorials run in test_tutorials.py

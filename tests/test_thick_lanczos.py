@@ -61,8 +61,9 @@ def test_no_more_products_than_arpack(tol):
 def test_thick_restarts_with_a_small_basis():
     """ncv = k + 3 forces many restarts; still the dense eigenpairs to 1e-8."""
     a = decaying()
-    values, vectors, products = thick_restart_lanczos_eigh(lambda v: a @ v, 300, 6, tol=1e-10,
-                                                           ncv=9)
+    values, vectors, products = thick_restart_lanczos_eigh(
+        lambda v: a @ v, 300, 6, tol=1e-10, ncv=9
+    )
     assert products > 9  # restarted
     check_pairs(values, vectors, a, 6, 1e-8, 1e-9)
 
@@ -86,8 +87,9 @@ def test_rank_below_k_and_zero_operator():
 def test_budget_warns_and_exact_at_dim():
     a = decaying(40)
     with pytest.warns(RuntimeWarning, match="max_products"):
-        _, _, products = thick_restart_lanczos_eigh(lambda v: a @ v, 40, 5, tol=1e-14,
-                                                    ncv=7, max_products=8)
+        _, _, products = thick_restart_lanczos_eigh(
+            lambda v: a @ v, 40, 5, tol=1e-14, ncv=7, max_products=8
+        )
     assert products == 8
     values, vectors, products = thick_restart_lanczos_eigh(lambda v: a @ v, 40, 5, tol=0, ncv=40)
     assert products == 40  # tol = 0, ncv = dim: the whole space, exact

@@ -119,7 +119,10 @@ def test_ess_with_batchnorm_refresh_interrupted_keeps_the_users_statistics():
     model = SubspaceNet(net, subspaces.random(net, 2, seed=0), likelihoods.Gaussian(0.5))
     before = state(net)
     kernel = EllipticalSliceSampler(model, chunk_size=8, recompute_bn=True)
-    with Interrupt(net, 10, when=lambda m: not m.training) as hook, pytest.raises(KeyboardInterrupt):
+    with (
+        Interrupt(net, 10, when=lambda m: not m.training) as hook,
+        pytest.raises(KeyboardInterrupt),
+    ):
         MCMC(kernel, num_samples=20, warmup_steps=5, disable_progbar=True).run(x, y)
     assert hook.calls == 10
     assert_same(before, state(net))
@@ -303,7 +306,9 @@ def test_evaluator_hessian_is_the_dense_autograd_hessian(device):
     guide, x, y = _laplace(torch.float64)
     model, x, y = guide.model.to(device), x.to(device), y.to(device)
     ev = model.evaluator(x, y, chunk_size=7)  # several chunks, summed
-    t = 0.1 * torch.randn(model.rank, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    t = 0.1 * torch.randn(
+        model.rank, dtype=torch.float64, generator=torch.Generator().manual_seed(3)
+    )
     t = t.to(device)
 
     def nll(tt):

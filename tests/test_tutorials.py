@@ -42,22 +42,38 @@ def test_tutorial_command_works_from_an_installed_wheel(tmp_path):
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(root / name, src / name)
     for name in ("pyro_subspace", "tutorials", "benchmarks"):
-        shutil.copytree(root / name, src / name, symlinks=True,
-                        ignore=shutil.ignore_patterns("__pycache__", "results"))
+        shutil.copytree(
+            root / name,
+            src / name,
+            symlinks=True,
+            ignore=shutil.ignore_patterns("__pycache__", "results"),
+        )
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "w"), "."]
     subprocess.run(build, cwd=src, check=True, capture_output=True, timeout=600)
     wheel = next((tmp_path / "w").glob("*.whl"))
     site = tmp_path / "site"
-    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     run = tmp_path / "elsewhere"
     run.mkdir()
-    env = {**os.environ, "PYRO_SUBSPACE_TINY": "1", "PYRO_SUBSPACE_OUT": str(run),
-           "PYTHONPATH": str(site)}
+    env = {
+        **os.environ,
+        "PYRO_SUBSPACE_TINY": "1",
+        "PYRO_SUBSPACE_OUT": str(run),
+        "PYTHONPATH": str(site),
+    }
     proc = subprocess.run(
         [sys.executable, "-m", "pyro_subspace.cli", "tutorial", "04"],
-        cwd=run, env=env, capture_output=True, text=True, timeout=600,
+        cwd=run,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert str(site / "pyro_subspace" / "tutorials") in proc.stdout

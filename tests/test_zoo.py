@@ -11,6 +11,7 @@ entry give relative errors near 1e-5, so ``1e-4 · max|reference|`` is used thro
 """
 
 import math
+
 import pytest
 import torch
 from pyro.infer import MCMC

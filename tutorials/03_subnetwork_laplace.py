@@ -39,7 +39,7 @@ import pyro
 import torch
 from torch import nn
 
-from pyro_subspace import SubspaceNet, infer, datasets, fit_map, likelihoods, metrics, subspaces
+from pyro_subspace import SubspaceNet, datasets, fit_map, infer, likelihoods, metrics, subspaces
 from pyro_subspace.curvature import ggn_diagonal
 from pyro_subspace.flat import FlatNet, num_weights
 from pyro_subspace.infer import AutoSubspaceLaplace, DiagonalLaplace, linearized_predictive
@@ -47,7 +47,7 @@ from pyro_subspace.infer import AutoSubspaceLaplace, DiagonalLaplace, linearized
 # benchmarks/ (in the source checkout, not installed) holds the experiment protocols
 ROOT = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.cwd().parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.ood import rotated_digits  # noqa: E402
+from benchmarks.ood import rotated_digits
 
 TINY = os.environ.get("PYRO_SUBSPACE_TINY") == "1"
 OUT = Path(os.environ.get("PYRO_SUBSPACE_OUT", "out"))

@@ -43,8 +43,8 @@ from pyro_subspace import PatchedNet, datasets, likelihoods, metrics
 # benchmarks/ (in the source checkout, not installed) holds the experiment protocols
 ROOT = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.cwd().parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.ood import rotated_digits  # noqa: E402
-from benchmarks.protocols import bn_mlp, train_method  # noqa: E402
+from benchmarks.ood import rotated_digits
+from benchmarks.protocols import bn_mlp, train_method
 
 TINY = os.environ.get("PYRO_SUBSPACE_TINY") == "1"
 OUT = Path(os.environ.get("PYRO_SUBSPACE_OUT", "out"))

@@ -74,10 +74,15 @@ def say(*args):
 class Block(nn.Module):
     def __init__(self, c_in, c_out, stride):
         super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out)
+        self.conv1, self.bn1 = (
+            nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False),
+            nn.BatchNorm2d(c_out),
+        )
         self.conv2, self.bn2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False), nn.BatchNorm2d(c_out)
         self.relu = nn.ReLU(inplace=True)
-        self.skip = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+        self.skip = nn.Sequential(
+            nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
+        )
 
     def forward(self, x):
         return self.relu(self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x))))) + self.skip(x))
@@ -111,7 +116,9 @@ fit_map(net, lik, x, y, epochs=EPOCHS, batch_size=32, lr=0.05, optimizer="sgd",
 pca = subspaces.pca(collector, 3)
 model = SubspaceNet(net, pca, lik, temperature="auto")
 pyro.set_rng_seed(0)
-mcmc = MCMC(EllipticalSliceSampler(model, recompute_bn=True), DRAWS, DRAWS // 2, disable_progbar=True)
+mcmc = MCMC(
+    EllipticalSliceSampler(model, recompute_bn=True), DRAWS, DRAWS // 2, disable_progbar=True
+)
 mcmc.run(x_shard, y_shard)
 draws = mcmc.get_samples()["t"]
 times["SWA + PCA + ESS"] = time.perf_counter() - start
@@ -128,7 +135,9 @@ guide = AutoSubspaceLaplace(SubspaceNet(net, sub, lik), prior_precision=1.0).fit
 )
 times["subnetwork Laplace"] = time.perf_counter() - start
 std = guide.covariance.diagonal().sqrt()
-say(f"subnetwork Laplace over {SUBNET} weights; evidence {float(guide.log_marginal_likelihood()):.2f}")
+say(
+    f"subnetwork Laplace over {SUBNET} weights; evidence {float(guide.log_marginal_likelihood()):.2f}"
+)
 
 # %% [markdown]
 # ## Top GGN eigenpairs (Lanczos) and a last-layer mixture of Laplace approximations
@@ -140,8 +149,18 @@ times["GGN eigenpairs"] = time.perf_counter() - start
 start = time.perf_counter()
 torch.manual_seed(1)
 second = make_net()
-fit_map(second, lik, x, y, epochs=EPOCHS, batch_size=32, lr=0.05, optimizer="sgd", seed=1,
-        progress=False)
+fit_map(
+    second,
+    lik,
+    x,
+    y,
+    epochs=EPOCHS,
+    batch_size=32,
+    lr=0.05,
+    optimizer="sgd",
+    seed=1,
+    progress=False,
+)
 mola = MixtureOfLaplace([net, second], lik).fit(x_shard, y_shard)
 times["last-layer MoLA"] = time.perf_counter() - start
 say("GGN eigenvalues:", eig.eigenvalues)

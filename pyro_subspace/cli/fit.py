@@ -173,6 +173,7 @@ def _laplace(model: SubspaceNet, args: argparse.Namespace, data: datasets.Datase
 
 def _train(args: argparse.Namespace, data: datasets.Dataset):
     """MAP (full-batch Adam), then SWA collecting the trajectory; returns net, lik, collector."""
+
     def make_net():
         return options.mlp(data.n_features, options.hidden_widths(args), 1)
 

@@ -14,6 +14,7 @@
   `thick_restart_lanczos_eigh`: to a tolerance, in the fewest products (tested every step).
 """
 
+from .block_lanczos import block_lanczos_eigh
 from .ggn import (
     MAX_JACOBIAN_NUMBERS,
     full_jacobians,
@@ -27,13 +28,12 @@ from .ggn import (
     subspace_jacobians,
 )
 from .ggn_operator import GGNOperator
-from .block_lanczos import block_lanczos_eigh
 from .lanczos import lanczos_eigh
 from .thick_lanczos import thick_restart_lanczos_eigh
 
 __all__ = [
-    "GGNOperator",
     "MAX_JACOBIAN_NUMBERS",
+    "GGNOperator",
     "block_lanczos_eigh",
     "full_jacobians",
     "ggn_diagonal",

@@ -28,12 +28,11 @@ from torch.func import vjp, vmap
 
 from .. import distributed
 from .._checks import positive_int
-from ..gram import gram_from_blocks
 from ..autodiff import jvp_any, jvps, strategy_of
 from ..data import DataSource
 from ..flat import FlatNet, eval_mode
+from ..gram import gram_from_blocks
 from ..jacobians import (
-    MAX_JACOBIAN_NUMBERS,
     as_2d,
     factored_square_sums,
     full_jacobian_blocks,
@@ -42,7 +41,6 @@ from ..jacobians import (
 from ..likelihoods import Likelihood, check_likelihood
 from ..subspaces.base import Subspace
 from .output_hessian import hessian_factor, output_hessian
-
 
 #: Networks on which the one-pass dual-number product failed (they use jvp, then vjp).
 _NO_DUAL: weakref.WeakSet = weakref.WeakSet()

@@ -134,8 +134,10 @@ class GGNOperator:
         want = f"({self.dim}, b)" if block else f"({self.dim},)"
         if not isinstance(v, torch.Tensor) or not v.is_floating_point():
             raise TypeError(f"v: expected a floating-point tensor {want}, got {v!r}")
-        ok = (v.dim() == 2 and v.shape[0] == self.dim and v.shape[1] >= 1) if block else (
-            tuple(v.shape) == (self.dim,)
+        ok = (
+            (v.dim() == 2 and v.shape[0] == self.dim and v.shape[1] >= 1)
+            if block
+            else (tuple(v.shape) == (self.dim,))
         )
         if not ok:
             raise ValueError(f"v: expected shape {want}, got {tuple(v.shape)}")
@@ -153,13 +155,17 @@ class GGNOperator:
                 with plain_kernels() if self._plain else nullcontext():
                     (jv,) = torch.autograd.grad(g, u, v, retain_graph=True)
                     hjv = torch.einsum("nop,np->no", hess, jv.reshape(hess.shape[0], -1))
-                    total += torch.autograd.grad(out, wg, hjv.reshape(out.shape), retain_graph=True)[0]
+                    total += torch.autograd.grad(
+                        out, wg, hjv.reshape(out.shape), retain_graph=True
+                    )[0]
         except (RuntimeError, NotImplementedError):  # no double backward through some kernel
             self._uncache()
             total.zero_()
         with distributed.local():  # per-chunk sums; one reduction below
             for xc in self._rest:
-                total += ggn_vector_product(self.net, self.likelihood, xc, v, self.w, self.chunk_size)
+                total += ggn_vector_product(
+                    self.net, self.likelihood, xc, v, self.w, self.chunk_size
+                )
         return distributed.all_reduce_sum(total.detach())
 
     def matmat(self, v: torch.Tensor) -> torch.Tensor:
@@ -173,7 +179,9 @@ class GGNOperator:
         self.products += v.shape[1]
         with distributed.local():
             for xc in self._rest:
-                total += ggn_matrix_product(self.net, self.likelihood, xc, v, self.w, self.chunk_size)
+                total += ggn_matrix_product(
+                    self.net, self.likelihood, xc, v, self.w, self.chunk_size
+                )
         return distributed.all_reduce_sum(total.detach())
 
     def _batched(self, v: torch.Tensor) -> torch.Tensor | None:
@@ -189,7 +197,10 @@ class GGNOperator:
                     )[0]
                     hjv = torch.einsum("nop,bnp->bno", hess, jv.reshape(b, hess.shape[0], -1))
                     total += torch.autograd.grad(
-                        out, wg, hjv.reshape(b, *out.shape), retain_graph=True,
+                        out,
+                        wg,
+                        hjv.reshape(b, *out.shape),
+                        retain_graph=True,
                         is_grads_batched=True,
                     )[0]
         except (RuntimeError, NotImplementedError):

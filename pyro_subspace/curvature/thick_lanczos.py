@@ -144,8 +144,11 @@ def thick_restart_lanczos_eigh(
         done = j >= k and bool(ok.all()) and (tol > 0 or beta == 0.0)
         # far from converged (at the rate the worst ratio residual / bound fell, at least 8
         # steps to go): test only every second step (a test is an eigh of H)
-        worst = float((residuals[:k] / (tol * values[:k].abs().clamp_min(floor))).max()) if (
-            tol > 0 and floor > 0) else float("inf")
+        worst = (
+            float((residuals[:k] / (tol * values[:k].abs().clamp_min(floor))).max())
+            if (tol > 0 and floor > 0)
+            else float("inf")
+        )
         if 1 < worst < float("inf") and 1 < history[0] < float("inf") and worst < history[0]:
             rate = (history[0] / worst) ** (1 / (products - history[1]))
             skip = min(2, int(0.25 * math.log(worst) / math.log(rate)))
@@ -154,7 +157,9 @@ def thick_restart_lanczos_eigh(
             if not done and j < dim:
                 warnings.warn(
                     f"thick_restart_lanczos_eigh: {int(ok.sum())} of {k} Ritz pairs converged "
-                    f"within max_products={max_products}", RuntimeWarning, stacklevel=2,
+                    f"within max_products={max_products}",
+                    RuntimeWarning,
+                    stacklevel=2,
                 )
             if j < k:  # budget smaller than k: fill with orthogonal random directions
                 extra = torch.stack([fresh(j + i) for i in range(k - j)])

@@ -124,7 +124,7 @@ def _chain(fn: Callable[[int], Any], chain: int, seed: int, threads: int, result
         buffer = io.BytesIO()
         torch.save(fn(chain), buffer)
         results.put((chain, True, buffer.getvalue()))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+    except BaseException:
         results.put((chain, False, traceback.format_exc()))
 
 

@@ -139,7 +139,9 @@ class EllipticalSliceSampler(MCMCKernel):
         else:
             self._loglik_fn, model = None, self.model
         self._priors = gaussian_priors(
-            model, () if model is not self.model else args, {} if model is not self.model else kwargs
+            model,
+            () if model is not self.model else args,
+            {} if model is not self.model else kwargs,
         )
         if not self._priors:
             raise TypeError("model: has no latent sample sites to sample")

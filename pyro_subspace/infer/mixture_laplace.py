@@ -167,7 +167,10 @@ class MixtureOfLaplace(MixturePredictor):
         return self.subset[i]
 
     def fit(
-        self, x: torch.Tensor | Dataset, y: torch.Tensor | None = None, find_map: bool = False
+        self,
+        x: torch.Tensor | TorchDataset | DataLoader,
+        y: torch.Tensor | None = None,
+        find_map: bool = False,
     ) -> MixtureOfLaplace:
         """Fit the ``K`` Laplace approximations (GGN at each network's weights); returns ``self``.
 
@@ -297,7 +300,9 @@ class MixtureOfLaplace(MixturePredictor):
             f_mean = torch.cat([p[0] for p in parts]).double()
             jp = torch.cat([p[1] for p in parts]).double()
             chol = torch.linalg.cholesky(guide.prior_precision_matrix(torch.tensor(1.0).double()))
-            a = torch.linalg.solve_triangular(chol, guide.ggn.double() / guide.temperature, upper=False)
+            a = torch.linalg.solve_triangular(
+                chol, guide.ggn.double() / guide.temperature, upper=False
+            )
             a = torch.linalg.solve_triangular(chol, a.T.contiguous(), upper=False)
             e, u = torch.linalg.eigh((a + a.T) / 2)
             ju = jp @ torch.linalg.solve_triangular(chol.T, u, upper=True)

@@ -138,6 +138,8 @@ def far_away_confidence_bound(mola, kind: str = "asymptotic") -> float:
         if c == 1:  # one logit (Bernoulli): max(p, 1 − p) ≤ sigmoid(b)
             total += pi * float(torch.sigmoid(b[0]))
             continue
-        off = torch.exp(-(b[:, None] + b[None, :])) * (1 - torch.eye(c, dtype=b.dtype, device=b.device))
+        off = torch.exp(-(b[:, None] + b[None, :])) * (
+            1 - torch.eye(c, dtype=b.dtype, device=b.device)
+        )
         total += pi * float((1 / (1 + off.sum(1))).max())
     return total

@@ -42,7 +42,9 @@ class Evaluator:
         self.num_data = data.num_data
         self.temperature = model.temperature_for(self.num_data)
         net = model.flat.net
-        self._bn = [m for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        self._bn = [
+            m for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+        ]
         self._saved = None
         self._validated: list | None = None  # in-memory data: validated once, then reused
         if recompute_bn and self._bn:
@@ -114,7 +116,9 @@ class Evaluator:
             try:
                 (rows,) = torch.autograd.grad(g, t, eye, retain_graph=True, is_grads_batched=True)
             except RuntimeError:  # no vmap rule for a layer (e.g. fused RNN kernels)
-                rows = torch.stack([torch.autograd.grad(g, t, e, retain_graph=True)[0] for e in eye])
+                rows = torch.stack(
+                    [torch.autograd.grad(g, t, e, retain_graph=True)[0] for e in eye]
+                )
             total += rows.double()
         total = self.data.reduce(total)
         return (total + total.T) / 2
@@ -155,7 +159,9 @@ class Evaluator:
         chunk = chunk_size or self.data.chunk_size
         factor = model.likelihood.hessian_factor
         if self.data.loader is None:
-            total = model.subspace.ggn_sum(flat, self.data.x, w, chunk, factor, diagonal, dtype=dtype)
+            total = model.subspace.ggn_sum(
+                flat, self.data.x, w, chunk, factor, diagonal, dtype=dtype
+            )
         else:
             total = None
             for xc in self.data.inputs():

@@ -214,7 +214,9 @@ class PatchedNet(PyroModule):
             ``{"z...": assignments (S, *event), "w.<param>": weights (S, *param.shape)}``: the
             same sites as the guide, usable as ``Predictive(model, posterior_samples=...)``.
         """
-        return self.family.sample(self._parameters, _checks.positive_int(num_samples, "num_samples"))
+        return self.family.sample(
+            self._parameters, _checks.positive_int(num_samples, "num_samples")
+        )
 
     # ----------------------------------------------------------------------------------------
     # network evaluation

@@ -124,11 +124,15 @@ class SubspaceNet(PyroModule):
         self.subspace = subspace
         self.likelihood = likelihood
         if prior_mean == "zero" and scale.dim() == 1 and not bool((scale == scale[0]).all()):
-            raise ValueError("prior_scale: prior_mean='zero' needs one scalar scale for all weights")
+            raise ValueError(
+                "prior_scale: prior_mean='zero' needs one scalar scale for all weights"
+            )
         self.register_buffer("prior_scale", scale.expand(subspace.rank).clone())
         # λ in float64, the source of truth for the Laplace guides (exact, whatever the net's dtype)
         lam = torch.as_tensor(prior_scale, dtype=torch.float64, device=scale.device)
-        self.register_buffer("_prior_precision", lam.square().reciprocal().expand(subspace.rank).clone())
+        self.register_buffer(
+            "_prior_precision", lam.square().reciprocal().expand(subspace.rank).clone()
+        )
         k = subspace.rank
         #: ``t₀`` ``(K,)`` and ``PᵀP`` ``(K, K)`` float64; an empty ``prior_gram`` stands for
         #: ``I`` (``prior_mean="shift"`` or a subnetwork), never materialised.
@@ -152,7 +156,9 @@ class SubspaceNet(PyroModule):
         if prior_precision is not None:
             self.set_prior_precision(prior_precision)
         elif prior_mean == "zero" and not bool((self.prior_scale == self.prior_scale[0]).all()):
-            raise ValueError("prior_scale: prior_mean='zero' needs one scalar scale for all weights")
+            raise ValueError(
+                "prior_scale: prior_mean='zero' needs one scalar scale for all weights"
+            )
 
     @property
     def rank(self) -> int:
@@ -204,7 +210,9 @@ class SubspaceNet(PyroModule):
             _checks.positive_float(prior_precision, "prior_precision")
         lam = torch.as_tensor(prior_precision, dtype=torch.float64)
         if lam.dim() > 1 or (lam.dim() == 1 and lam.shape[0] != self.rank):
-            raise ValueError(f"prior_precision: expected a float or ({self.rank},), got {lam.shape}")
+            raise ValueError(
+                f"prior_precision: expected a float or ({self.rank},), got {lam.shape}"
+            )
         if not bool(torch.isfinite(lam).all()) or bool((lam <= 0).any()):
             raise ValueError(f"prior_precision: expected positive finite values, got {lam}")
         if self.prior_mean == "zero" and lam.dim() == 1 and not bool((lam == lam[0]).all()):

@@ -22,9 +22,9 @@ from .subnetwork import STRATEGIES, subnetwork
 __all__ = [
     "STRATEGIES",
     "DenseSubspace",
+    "FrequentDirections",
     "IndexSubspace",
     "LastLayerSubspace",
-    "FrequentDirections",
     "SWACollector",
     "Subspace",
     "bezier",

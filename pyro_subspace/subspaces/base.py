@@ -27,7 +27,6 @@ from ..gram import gram_from_blocks
 from ..jacobians import Blocks, Factor, dense_jacobian_blocks, index_jacobian_blocks, weighted
 
 
-
 class Subspace(nn.Module):
     """An affine subspace ``w = shift + basis @ t`` of the flat weight space.
 

@@ -103,8 +103,14 @@ def ggn_eigen(
 
     if block_size == 1 and tol is not None:
         values, vectors, _ = thick_restart_lanczos_eigh(
-            matvec, d, rank, tol=tol, max_products=max(d if num_iter is None else num_iter, 1),
-            dtype=torch.float64, device=w.device, seed=seed,
+            matvec,
+            d,
+            rank,
+            tol=tol,
+            max_products=max(d if num_iter is None else num_iter, 1),
+            dtype=torch.float64,
+            device=w.device,
+            seed=seed,
         )
     elif block_size == 1:
         values, vectors = lanczos_eigh(
@@ -112,8 +118,15 @@ def ggn_eigen(
         )
     else:
         values, vectors, _ = block_lanczos_eigh(
-            matmat, d, rank, min(block_size, d), d if num_iter is None else num_iter, tol,
-            torch.float64, w.device, seed,
+            matmat,
+            d,
+            rank,
+            min(block_size, d),
+            d if num_iter is None else num_iter,
+            tol,
+            torch.float64,
+            w.device,
+            seed,
         )
     sub = Subspace(w.clone(), vectors.to(w.dtype))
     sub.register_buffer("eigenvalues", values.clamp_min(0).to(w.dtype))

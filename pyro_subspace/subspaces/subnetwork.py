@@ -28,8 +28,8 @@ from torch import nn
 from .. import _checks as ck
 from ..flat import FlatNet
 from ..likelihoods import check_likelihood
-from .last_layer import LastLayerSubspace, find_last_layer, last_layer_indices
 from .base import Subspace
+from .last_layer import LastLayerSubspace, find_last_layer, last_layer_indices
 from .pca import SWACollector
 
 STRATEGIES = ("diag_laplace", "swag", "magnitude", "random", "last_layer", "names", "indices")
@@ -138,13 +138,17 @@ def subnetwork(
             raise TypeError(f"indices: expected integer flat positions, got {indices!r}")
         chosen = torch.as_tensor(indices)
         if chosen.dim() != 1 or chosen.numel() == 0:
-            raise ValueError(f"indices: expected a non-empty 1-D list of flat positions, got "
-                             f"shape {tuple(chosen.shape)}")
+            raise ValueError(
+                f"indices: expected a non-empty 1-D list of flat positions, got "
+                f"shape {tuple(chosen.shape)}"
+            )
         if chosen.is_floating_point() or chosen.is_complex() or chosen.dtype == torch.bool:
             raise TypeError("indices: expected integer flat positions")
         if int(chosen.min()) < 0 or int(chosen.max()) >= d:
-            raise ValueError(f"indices: positions must lie in [0, {d}), got "
-                             f"[{int(chosen.min())}, {int(chosen.max())}]")
+            raise ValueError(
+                f"indices: positions must lie in [0, {d}), got "
+                f"[{int(chosen.min())}, {int(chosen.max())}]"
+            )
         if chosen.unique().numel() != chosen.numel():
             raise ValueError("indices: contains duplicate positions; pass each weight once")
     if n_params is not None and not scored and chosen.numel() != n_params:

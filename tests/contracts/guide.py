@@ -83,9 +83,7 @@ class BaseGuideTestCase(PersistenceContract):
         return self.subset
 
     def build(self, net: nn.Module, likelihood):
-        return Laplace(
-            net, likelihood, self.subset_for(net), self.structure, LAM, rank=self.rank
-        )
+        return Laplace(net, likelihood, self.subset_for(net), self.structure, LAM, rank=self.rank)
 
     # ------------------------------------------------------------------ (A) linear-Gaussian
 
@@ -106,14 +104,18 @@ class BaseGuideTestCase(PersistenceContract):
             gram = p.T @ p
             m0, lam0 = -torch.linalg.solve(gram, p.T @ shift), LAM * gram
         else:
-            m0, lam0 = torch.zeros(p.shape[1], dtype=torch.float64), LAM * torch.eye(p.shape[1]).double()
+            m0, lam0 = (
+                torch.zeros(p.shape[1], dtype=torch.float64),
+                LAM * torch.eye(p.shape[1]).double(),
+            )
         resid = y - torch.cat([x, torch.ones_like(x[:, :1])], 1) @ shift
         precision = design.T @ design / sigma2 + lam0
         cov = torch.linalg.inv(precision)
         mean = cov @ (design.T @ resid / sigma2 + lam0 @ m0)
         marginal = torch.distributions.MultivariateNormal(
             design @ m0,
-            sigma2 * torch.eye(x.shape[0], dtype=torch.float64) + design @ torch.linalg.solve(lam0, design.T),
+            sigma2 * torch.eye(x.shape[0], dtype=torch.float64)
+            + design @ torch.linalg.solve(lam0, design.T),
         )
         return mean, cov, marginal.log_prob(resid)
 
@@ -161,7 +163,9 @@ class BaseGuideTestCase(PersistenceContract):
         guide, x, _ = self.classifier_fit()
         sub, flat = guide.model.subspace, FlatNet(guide.model.flat.net)
         with eval_mode(flat.net):
-            jac = torch.autograd.functional.jacobian(lambda t: flat(sub.weights(t), x[:9]), guide.loc)
+            jac = torch.autograd.functional.jacobian(
+                lambda t: flat(sub.weights(t), x[:9]), guide.loc
+            )
         f_mean, f_cov = linearized_moments(guide, x[:9])
         with eval_mode(flat.net):
             assert torch.allclose(f_mean, flat(sub.weights(guide.loc), x[:9]), rtol=1e-12)

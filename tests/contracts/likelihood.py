@@ -127,7 +127,9 @@ class BaseLikelihoodTestCase:
         assert_close_mc(y.var(0), var, var * math.sqrt(2 / (s - 1)), "predictive variance")
         noiseless = lik.predictive_from_moments(m, c, "closed_form", include_noise=False)
         assert torch.allclose(
-            noiseless.variance.reshape(N, -1), f.var(0)[:, : mean.shape[1]], rtol=Z_MC * math.sqrt(2 / s)
+            noiseless.variance.reshape(N, -1),
+            f.var(0)[:, : mean.shape[1]],
+            rtol=Z_MC * math.sqrt(2 / s),
         )
 
     def _check_classification_predictive(self, lik, m, c, f):

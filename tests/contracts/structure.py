@@ -106,7 +106,9 @@ class BaseStructureTestCase:
         assert float(s.logdet(precision, "posterior")) == pytest.approx(
             float(torch.logdet(reference)), rel=1e-11
         )
-        assert float(s.logdet(prior, "prior")) == pytest.approx(float(torch.logdet(lam_dense)), rel=1e-12)
+        assert float(s.logdet(prior, "prior")) == pytest.approx(
+            float(torch.logdet(lam_dense)), rel=1e-12
+        )
         assert float(s.quad(precision, d)) == pytest.approx(float(d @ reference @ d), rel=1e-11)
         assert float(s.quad(prior, d)) == pytest.approx(float(d @ lam_dense @ d), rel=1e-12)
 
@@ -195,4 +197,6 @@ class BaseStructureTestCase:
         c = torch.einsum("nok,nop,npj->kj", j, h, j)
         got = self.to_dense(s.curvature(ev, t))
         expected = self.reference_curvature(c)
-        assert torch.allclose(got, expected, rtol=self.curvature_rtol, atol=self.curvature_rtol * float(c.norm()))
+        assert torch.allclose(
+            got, expected, rtol=self.curvature_rtol, atol=self.curvature_rtol * float(c.norm())
+        )

@@ -100,4 +100,6 @@ class BaseSubspaceTestCase:
             h = lik.output_hessian(FlatNet(self.net)(w, self.x))
         expected = torch.einsum("nok,nop,npj->kj", j, h, j)
         assert torch.allclose(ev.ggn(self.t), expected, rtol=1e-10, atol=1e-12)
-        assert torch.allclose(ev.ggn(self.t, diagonal=True), expected.diagonal(), rtol=1e-10, atol=1e-12)
+        assert torch.allclose(
+            ev.ggn(self.t, diagonal=True), expected.diagonal(), rtol=1e-10, atol=1e-12
+        )

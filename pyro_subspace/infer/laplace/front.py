@@ -34,7 +34,7 @@ def all_weights(net: nn.Module) -> IndexSubspace:
     return IndexSubspace(w, torch.arange(w.numel(), device=w.device))
 
 
-def Laplace(  # noqa: N802 (a factory named like laplace-torch's)
+def Laplace(
     net: nn.Module,
     likelihood: Likelihood,
     subset_of_weights: str | torch.Tensor | Subspace = "last_layer",

@@ -269,7 +269,7 @@ class AutoSubspaceLaplace(AutoContinuous):
             next(ev.chunks())  # validates the targets before any work
         if find_map:
             prior = FullPrior(self)
-            objective = lambda tt: prior.add(*ev.nll_and_grad(tt), tt)  # noqa: E731
+            objective = lambda tt: prior.add(*ev.nll_and_grad(tt), tt)
             t, iterations, used_up = _find_map(objective, t, max_iter, tol)
             t, grad = self._polish(objective, t, ev, prior)
             steps = (5 if self.model.rank <= 512 else 0) if newton_steps is None else newton_steps
@@ -309,7 +309,9 @@ class AutoSubspaceLaplace(AutoContinuous):
             lam = torch.as_tensor(lam, dtype=torch.float64, device=self.loc.device)
             s.posterior_(self.ggn, self.temperature, lam, self.model, *out)
             return
-        precision = s.precision(self.ggn, self.temperature, self.prior_precision_matrix(prior_precision))
+        precision = s.precision(
+            self.ggn, self.temperature, self.prior_precision_matrix(prior_precision)
+        )
         factor = s.factor(precision)
         out[0].copy_(precision)
         out[1].copy_(factor)
@@ -326,7 +328,9 @@ class AutoSubspaceLaplace(AutoContinuous):
         if seed is not None:
             gen = torch.Generator(device=self.loc.device).manual_seed(seed)
         k = self.model.rank
-        eps = torch.randn(num_samples, k, generator=gen, dtype=torch.float64, device=self.loc.device)
+        eps = torch.randn(
+            num_samples, k, generator=gen, dtype=torch.float64, device=self.loc.device
+        )
         return self.model.subspace.weights(self.loc + self.structure.draw(self.scale_tril, eps))
 
     def predict(self, x: torch.Tensor, link_approx: str = "auto", **kwargs: object):
@@ -382,7 +386,9 @@ class AutoSubspaceLaplace(AutoContinuous):
         key = (self.ggn.data_ptr(), self.ggn._version)
         cached = self.__dict__.get("_eig_cache")
         if cached is None or cached[0] != key:
-            g = torch.linalg.eigvalsh(symmetrize_(self.ggn.to(torch.float64, copy=True))).clamp_min(0)
+            g = torch.linalg.eigvalsh(symmetrize_(self.ggn.to(torch.float64, copy=True))).clamp_min(
+                0
+            )
             self.__dict__["_eig_cache"] = cached = (key, g)
         return cached[1]
 

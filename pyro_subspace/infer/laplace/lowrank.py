@@ -67,7 +67,9 @@ class LowRankStructure:
 
     def __init__(self, rank: int, dim: int, num_iter: int | None = None, seed: int = 0) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= dim:
-            raise ValueError(f"rank: expected an int in [1, {dim}] (the subspace's K), got {rank!r}")
+            raise ValueError(
+                f"rank: expected an int in [1, {dim}] (the subspace's K), got {rank!r}"
+            )
         self.rank, self.num_iter, self.seed = rank, num_iter, seed
 
     @staticmethod
@@ -173,12 +175,12 @@ class LowRankStructure:
         ``J_P`` ``(n, O, K)``, in ``O(n O K k)`` without a ``K × K`` matrix."""
         d, m, w = unpack(cov)
         jm = jp @ m  # (n, O, k)
-        return torch.einsum("nok,k,npk->nop", jp, d, jp) + torch.einsum(
-            "nor,r,npr->nop", jm, w, jm
-        )
+        return torch.einsum("nok,k,npk->nop", jp, d, jp) + torch.einsum("nor,r,npr->nop", jm, w, jm)
 
     @staticmethod
-    def feature_covariance(phi: torch.Tensor, rows: torch.Tensor, cov: torch.Tensor, diagonal: bool):
+    def feature_covariance(
+        phi: torch.Tensor, rows: torch.Tensor, cov: torch.Tensor, diagonal: bool
+    ):
         """A last layer (features ``φ̃`` ``(n, P̃)``, ``rows`` ``(C, P̃)``): ``C_cd`` ``(n, C, C)``."""
         d, m, w = unpack(cov)
         out = torch.diag_embed(torch.einsum("np,cp->nc", phi.square(), d[rows]))

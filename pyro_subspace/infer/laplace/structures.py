@@ -144,7 +144,9 @@ class FullStructure:
         return torch.bmm(m, m.mT)
 
     @staticmethod
-    def feature_covariance(phi: torch.Tensor, rows: torch.Tensor, cov: torch.Tensor, diagonal: bool):
+    def feature_covariance(
+        phi: torch.Tensor, rows: torch.Tensor, cov: torch.Tensor, diagonal: bool
+    ):
         """A last layer: ``C_cd = φ̃ᵀ Σ_(c,d) φ̃`` (MoLA A.2) from features ``(n, P̃)``."""
         if diagonal:
             blocks = cov[rows[:, :, None], rows[:, None, :]]  # (C, P̃, P̃)
@@ -223,7 +225,9 @@ class DiagonalStructure:
         return torch.einsum("nok,k,npk->nop", jp, cov, jp)
 
     @staticmethod
-    def feature_covariance(phi: torch.Tensor, rows: torch.Tensor, cov: torch.Tensor, diagonal: bool):
+    def feature_covariance(
+        phi: torch.Tensor, rows: torch.Tensor, cov: torch.Tensor, diagonal: bool
+    ):
         var = cov[rows]  # (C, P̃)
         return torch.diag_embed(torch.einsum("np,cp->nc", phi.square(), var))
 
