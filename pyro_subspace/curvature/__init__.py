@@ -14,9 +14,9 @@
   `thick_restart_lanczos_eigh`: to a tolerance, in the fewest products (tested every step).
 """
 
+from ..jacobians import MAX_JACOBIAN_NUMBERS
 from .block_lanczos import block_lanczos_eigh
 from .ggn import (
-    MAX_JACOBIAN_NUMBERS,
     full_jacobians,
     ggn_diagonal,
     ggn_from_blocks,
