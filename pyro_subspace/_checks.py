@@ -335,7 +335,10 @@ def check_data(
     from torch.utils.data import DataLoader, Dataset
 
     if isinstance(x, DataLoader):
-        return len(x.dataset)
+        try:
+            return len(x.dataset)
+        except TypeError:  # an iterable data set without a length: the caller counts
+            return 0
     if isinstance(x, Dataset):
         if y is not None:
             raise ValueError(

@@ -119,7 +119,7 @@ def test_float32_guide_against_a_float64_one():
     assert la32.get_posterior().scale_tril.dtype == torch.float64
 
 
-def test_float32_guide_state_dict_round_trip():
+def test_float32_guide_state_dict_round_trip(tmp_path):
     make, x, y = setup()
     fitted = make().fit(x, y, find_map=False)
     fresh = make()
@@ -127,6 +127,13 @@ def test_float32_guide_state_dict_round_trip():
     fresh.load_state_dict(fitted.state_dict())
     assert torch.equal(fresh.covariance, fitted.covariance)
     assert torch.equal(linearized_moments(fresh, x[:5])[1], linearized_moments(fitted, x[:5])[1])
+    # through a file, as a user saves it: torch.load(weights_only=True) into an unfitted guide
+    torch.save(fitted.state_dict(), tmp_path / "guide.pt")
+    loaded = make()
+    loaded.load_state_dict(torch.load(tmp_path / "guide.pt", weights_only=True))
+    assert loaded.covariance.dtype == torch.float32
+    assert torch.equal(loaded.covariance, fitted.covariance)
+    assert torch.equal(linearized_moments(loaded, x[:5])[1], linearized_moments(fitted, x[:5])[1])
 
 
 def test_float32_small_prior_is_factorised_in_float64():

@@ -126,3 +126,33 @@ def test_patched_net_fit_streams():
         model.fit(loader, epochs=1)
     for k, v in model.state_dict().items():  # the failed fit left the model as it was
         assert torch.equal(v, before[k]), k
+
+
+def test_iterable_streams_without_a_length():
+    """A DataLoader over an iterable data set without a length: fit_map gives the fit of the
+    same batches from a map-style DataLoader (same order); PatchedNet.fit, which needs N for
+    eq. (7), says so by argument."""
+    from torch.utils.data import IterableDataset
+
+    from pyro_subspace import PatchedNet
+
+    class Stream(IterableDataset):
+        def __init__(self, x, y):
+            self.x, self.y = x, y
+
+        def __iter__(self):
+            return zip(self.x, self.y)
+
+    net, x, y, _ = setup()
+    nets = [copy.deepcopy(net) for _ in range(2)]
+    lik = likelihoods.Gaussian(0.3)
+    h1 = fit_map(
+        nets[0], lik, DataLoader(TensorDataset(x, y), batch_size=8), epochs=3, progress=False
+    )
+    h2 = fit_map(nets[1], lik, DataLoader(Stream(x, y), batch_size=8), epochs=3, progress=False)
+    same(h2, h1)
+    for p, q in zip(nets[1].parameters(), nets[0].parameters(), strict=True):
+        same(p.detach(), q.detach())
+    model = PatchedNet(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double(), lik)
+    with pytest.raises(ValueError, match="^x: PatchedNet.fit needs the number of training"):
+        model.fit(DataLoader(Stream(x, y), batch_size=8), epochs=1)

@@ -19,6 +19,11 @@ def fit(model, x, y, epochs: int, lr: float, batch_size: int, method: str, seed:
     streamed = isinstance(x, (Dataset, DataLoader))
     # tensors: width, dtype, finiteness and targets against the net; a Dataset: its first item
     n = _checks.check_data(model.net, x, y, model.likelihood, require_y=not streamed)
+    if streamed and n == 0:
+        raise ValueError(
+            "x: PatchedNet.fit needs the number of training points N (eq. 7 weighs the prior "
+            "by 1/N): give a Dataset with a length (or a DataLoader over one)"
+        )
     _checks.positive_int(epochs, "epochs"), _checks.positive_int(batch_size, "batch_size")
     positive(lr, "lr")
     _checks.choice(method, "method", ("torch", "svi"))
