@@ -217,3 +217,41 @@ def gaussian_draws(
         num_samples, *mean.shape, generator=generator, dtype=mean.dtype, device=mean.device
     )
     return mean + torch.einsum("nop,snp->sno", chol, eps)
+
+
+def row_gram(a: torch.Tensor) -> torch.Tensor:
+    """``A Aᵀ`` ``(r, r)`` of ``A`` ``(r, K)``, exactly symmetric: BLAS ``syrk`` on CPU (half
+    the multiplications of a general product), a matrix product elsewhere."""
+    blas = _blas(a)
+    if blas is None:
+        return symmetrize_(a @ a.mT)
+    syrk = blas.ssyrk if a.dtype == torch.float32 else blas.dsyrk
+    with blas_threads():  # the Fortran view of the C-ordered A is Aᵀ (K, r): syrk(Aᵀ)ᵀ(Aᵀ)
+        upper = syrk(1.0, a.contiguous().numpy().T, trans=1)
+    return symmetrize_(torch.from_numpy(upper), upper=True).contiguous()
+
+
+def solve_lower(chol: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``chol⁻¹ A`` ``(r, K)`` for a lower-triangular ``chol`` ``(r, r)``: BLAS ``trsm`` on CPU
+    (on the transposed, Fortran-ordered views: no copies beyond the result), else torch's."""
+    blas = _blas(a)
+    if blas is None or chol.dtype != a.dtype:
+        return torch.linalg.solve_triangular(chol, a, upper=False)
+    trsm = blas.strsm if a.dtype == torch.float32 else blas.dtrsm
+    with blas_threads():  # Xᵀ = Aᵀ chol⁻ᵀ: Aᵀ and cholᵀ (upper) are the Fortran views
+        out = trsm(1.0, chol.contiguous().numpy().T, a.contiguous().numpy().T, side=1, lower=0)
+    return torch.from_numpy(out.T)  # C-ordered (r, K)
+
+
+def _blas(a: torch.Tensor):
+    """SciPy's BLAS for an unbatched float32/float64 CPU matrix without gradient, else ``None``."""
+    if a.dim() != 2 or a.device.type != "cpu" or a.dtype not in (torch.float32, torch.float64):
+        return None
+    if a.requires_grad:
+        return None
+    try:
+        import threadpoolctl  # noqa: F401
+        from scipy.linalg import blas
+    except ImportError:  # pragma: no cover - both come with scikit-learn
+        return None
+    return blas

@@ -24,6 +24,37 @@ USE_SYRK = True
 FLUSH_ROWS = 8192
 
 
+class RootRows:
+    """Collects the rows of the GGN's root ``A`` (``Σ_n A_nᵀ A_n = PᵀGP``) as blocks pass to
+    `gram_from_blocks`, while there are at most ``limit`` of them: a Laplace posterior over
+    ``K`` weights from fewer than ``K`` rows is cheaper by Woodbury's identity than from the
+    ``(K, K)`` precision (`FullStructure.posterior_from_root_`). Past ``limit`` rows it keeps
+    nothing (``matrix()`` is ``None``)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.count, self.parts = limit, 0, []
+
+    def tap(self, blocks: Iterator[tuple[torch.Tensor, torch.Tensor]]):
+        """Pass ``blocks`` ``(outputs, A (n, C, K))`` through, copying ``A`` as ``(n·C, K)``."""
+        for out, a in blocks:
+            if self.parts is not None:
+                rows = a.shape[0] * a.shape[1]
+                self.count += rows
+                if self.count > self.limit:
+                    self.parts = None
+                else:
+                    part = torch.empty(rows, a.shape[-1], dtype=a.dtype, device=a.device)
+                    part.view(a.shape).copy_(a.detach())
+                    self.parts.append(part)
+            yield out, a
+
+    def matrix(self) -> torch.Tensor | None:
+        """``A`` ``(rows, K)``, or ``None`` (no rows, or more than ``limit``)."""
+        if not self.parts:
+            return None
+        return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
+
+
 def gram_from_blocks(
     blocks: Iterator[tuple[torch.Tensor, torch.Tensor]],
     diagonal: bool = False,

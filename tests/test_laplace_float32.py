@@ -2,6 +2,8 @@
 the in-place LAPACK posterior (`_linalg.posterior_factors_`), the guide's ``dtype`` buffers and
 their fallback to float64, all against dense float64 linear algebra."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -136,13 +138,44 @@ def test_float32_guide_state_dict_round_trip(tmp_path):
     assert torch.equal(linearized_moments(loaded, x[:5])[1], linearized_moments(fitted, x[:5])[1])
 
 
+def brute_force_ggn(net, idx, x):
+    """``Σ_n J_nᵀ (diag(p) − p pᵀ) J_n`` over the weights ``idx`` of a float64 copy of ``net``,
+    with the Jacobian from ``torch.autograd.functional.jacobian``."""
+    net64 = copy.deepcopy(net).double()
+    names = [n for n, _ in net64.named_parameters()]
+    shapes = [p.shape for p in net64.parameters()]
+    flat = nn.utils.parameters_to_vector(net64.parameters()).detach()
+
+    def f(t):
+        w = flat.index_put((idx,), flat[idx] + t)
+        parts = torch.split(w, [s.numel() for s in shapes])
+        params = {n: v.view(s) for n, v, s in zip(names, parts, shapes, strict=True)}
+        return torch.func.functional_call(net64, params, x.double())
+
+    t0 = torch.zeros(len(idx), dtype=torch.float64)
+    jac = torch.autograd.functional.jacobian(f, t0)  # shape: (N, O, K)
+    p = f(t0).softmax(-1)
+    h = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    return torch.einsum("nok,nop,npl->kl", jac, h, jac)
+
+
 def test_float32_small_prior_is_factorised_in_float64():
-    """``λ = 1e-6`` with a rank-deficient GGN (N·O = 40 < K = 70): float32 rounds the prior
-    away (or nearly), so the precision is formed again and factorised in float64; the
-    covariance is then the float64 inverse of the stored curvature plus ``λ I``."""
+    """``λ = 1e-6`` with a rank-deficient GGN (N·(O−1) = 30 < K = 70). The fit takes Woodbury's
+    route from the 30 GGN rows (`FullStructure.posterior_from_root_`), in float64 because
+    float32 would cancel ``I − BᵀB`` (``κ ≈ 1e9``): the GGN's null space then keeps exactly
+    ``1/λ``, so ``Σ`` matches the float64 inverse of a brute-force float64 GGN plus ``λ I``.
+    Without the rows (a re-tuned curvature) the precision is formed again from the stored
+    float32 curvature and factorised in float64: ``Σ`` is then the float64 inverse of the
+    stored curvature plus ``λ I`` (float32 rounds the prior away, or nearly)."""
     make, x, y = setup(n=10, lam=1e-6)
     la = make().fit(x, y, find_map=False)
     assert la.covariance.dtype == torch.float32
     k = la.ggn.shape[0]
-    want = torch.linalg.inv(la.ggn.double() + 1e-6 * torch.eye(k, dtype=torch.float64))
+    eye = torch.eye(k, dtype=torch.float64)
+    net, idx = la.model.flat.net, la.model.subspace.basis
+    want = torch.linalg.inv(brute_force_ggn(net, idx, x) + 1e-6 * eye)
+    assert (la.covariance.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    la.__dict__["_root"] = None  # as after a re-tuned curvature: the dense route
+    la.set_prior_precision(1e-6)
+    want = torch.linalg.inv(la.ggn.double() + 1e-6 * eye)
     assert (la.covariance.double() - want).abs().max() <= 1e-5 * want.abs().max()

@@ -324,7 +324,7 @@ def ggn_diagonal(
     """Exact diagonal of the GGN, ``diag(G)_d = Σ_n Σ_{o,o'} J_{n,o,d} H_{n,o,o'} J_{n,o',d}``.
 
     Computed as ``Σ_n Σ_c (L_nᵀ J_n)_{c,d}²`` from the factor ``H_n = L_n L_nᵀ`` (see
-    `output_hessian`; Categorical uses ``L = diag(√p) − p √pᵀ``), so every entry is ``>= 0``.
+    `output_hessian`; Categorical uses a rank-``(C−1)`` factor), so every entry is ``>= 0``.
     The per-sample rows ``L_nᵀ J_n`` ``(rows, C, D)`` come from ``vmap`` over data points of
     ``jacrev`` of ``L_nᵀ f(x_n, w)``, one parameter tensor at a time
     (`jacobians.factored_square_sums`); memory is about twice ``rows·C·D`` numbers. Used by

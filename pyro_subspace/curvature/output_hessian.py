@@ -18,5 +18,5 @@ def output_hessian(likelihood: Likelihood, outputs: torch.Tensor) -> torch.Tenso
 
 
 def hessian_factor(likelihood: Likelihood, outputs: torch.Tensor) -> torch.Tensor:
-    """``L_n`` with ``L_n L_nᵀ = H_n``, ``(N, O, O)``: `Likelihood.hessian_factor`."""
+    """``L_n`` with ``L_n L_nᵀ = H_n``, ``(N, O, R)``: `Likelihood.hessian_factor`."""
     return check_likelihood(likelihood).hessian_factor(outputs)

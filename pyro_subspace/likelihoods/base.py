@@ -176,7 +176,8 @@ class Likelihood(PyroModule):
         return self._hessian(self.check_curvature_outputs(outputs))
 
     def hessian_factor(self, outputs: torch.Tensor) -> torch.Tensor:
-        """``L_n`` ``(N, O, O)`` with ``L_n L_nᵀ = H_n``, so ``Σ_n (L_nᵀ J_n)ᵀ (L_nᵀ J_n)`` is
+        """``L_n`` ``(N, O, R)`` with ``L_n L_nᵀ = H_n`` (``R = O``, or the rank of ``H_n`` where
+        it is known to be lower: ``O − 1`` for `Categorical`), so ``Σ_n (L_nᵀ J_n)ᵀ (L_nᵀ J_n)`` is
         positive semi-definite by construction."""
         return self._hessian_factor(self.check_curvature_outputs(outputs))
 

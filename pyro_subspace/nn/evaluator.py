@@ -17,6 +17,7 @@ import torch
 
 from ..data import DataSource
 from ..flat import FlatNet, preserved
+from ..gram import RootRows
 
 if TYPE_CHECKING:
     from .subspace_net import SubspaceNet
@@ -146,21 +147,25 @@ class Evaluator:
         diagonal: bool = False,
         chunk_size: int | None = None,
         dtype: torch.dtype = torch.float64,
+        rows: RootRows | None = None,
     ):
         """``Pᵀ G P`` ``(K, K)`` (or its diagonal ``(K,)``) at ``w = ŵ + P t``, untempered,
         exactly symmetric (`Subspace.ggn_sum`), in ``dtype``, from the subspace's Jacobian blocks (Subnetwork
         Inference eqs. 9, 15), weighted by the output-Hessian factor ``H_n = L_n L_nᵀ`` inside
         the Jacobian pass. Float32 networks: float32 products, float64 sums (`gram`). In-memory
         data go to the subspace in one call (its blocks bound the memory); the batches of a
-        ``DataLoader`` are summed in float64."""
+        ``DataLoader`` are summed in float64. ``rows`` (a `gram.RootRows`) also collects the
+        root ``A`` with ``AᵀA = PᵀGP``, for in-memory data on one process only (the rows of
+        a stream or of one shard are not the whole root)."""
         model = self.model
         w = model.subspace.weights(t).detach()
         flat = FlatNet(model.flat.net, batch_strategy="loop")
         chunk = chunk_size or self.data.chunk_size
         factor = model.likelihood.hessian_factor
         if self.data.loader is None:
+            keep = rows if not self.data.sharded else None
             total = model.subspace.ggn_sum(
-                flat, self.data.x, w, chunk, factor, diagonal, dtype=dtype
+                flat, self.data.x, w, chunk, factor, diagonal, dtype=dtype, rows=keep
             )
         else:
             total = None

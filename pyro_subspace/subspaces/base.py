@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..flat import FlatNet
-from ..gram import gram_from_blocks
+from ..gram import RootRows, gram_from_blocks
 from ..jacobians import Blocks, Factor, dense_jacobian_blocks, index_jacobian_blocks, weighted
 
 
@@ -186,13 +186,18 @@ class Subspace(nn.Module):
         diagonal: bool = False,
         total: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
+        rows: RootRows | None = None,
     ) -> torch.Tensor | None:
         """``total + Σ_n (J_n P)ᵀ H_n (J_n P)`` over the rows of ``x`` (``(K, K)``, or its
         diagonal ``(K,)``; ``None`` for no rows), ``H_n = L_n L_nᵀ`` with ``L = factor(outputs)``
         (Subnetwork Inference eqs. 9, 15): ``Σ AᵀA`` over the blocks ``A = L_nᵀ J_n P``
         (`gram.gram_from_blocks`: float32 products summed in float64), in ``dtype`` (default
-        ``total``'s, else ``w``'s); exactly symmetric (overrides must keep that)."""
+        ``total``'s, else ``w``'s); exactly symmetric (overrides must keep that). ``rows`` (a
+        `gram.RootRows`) collects the blocks ``A`` too, up to its limit (overrides that do not
+        form ``A`` leave it empty)."""
         blocks = self.jacobian_blocks(flat, x, w, chunk_size, factor)
+        if rows is not None:
+            blocks = rows.tap(blocks)
         return gram_from_blocks(blocks, diagonal, total, dtype)
 
     def dense_basis(self) -> torch.Tensor:

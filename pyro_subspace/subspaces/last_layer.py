@@ -99,11 +99,14 @@ class LastLayerSubspace(IndexSubspace):
         """``J_n P`` from the features: ``(J P)_{c, rows[c, p]} = φ̃_p``, zero elsewhere."""
         return weighted(self._feature_jacobians(flat, x, w, chunk_size), factor)
 
-    def ggn_sum(self, flat, x, w, chunk_size, factor, diagonal=False, total=None, dtype=None):
+    def ggn_sum(
+        self, flat, x, w, chunk_size, factor, diagonal=False, total=None, dtype=None, rows=None
+    ):
         """The closed form ``G_(c,p),(d,q) = Σ_n H_n[c, d] φ̃_np φ̃_nq`` (Kristiadi et al., 2020;
         ``J`` is ``δ_cc' φ̃``): one ``(C²·P̃, n) × (n, P̃)`` product per chunk, ``C`` times fewer
         multiplications than ``Σ AᵀA`` over ``A = L_nᵀ J_n P`` ``(n·C, C·P̃)``; summed over the
-        chunks in float64, returned in ``dtype`` (default ``total``'s, else ``w``'s)."""
+        chunks in float64, returned in ``dtype`` (default ``total``'s, else ``w``'s). No
+        ``A`` is formed, so ``rows`` stays empty."""
         c, p = self.rows.shape
         g4 = None
         for out, phi in self.feature_blocks(flat, x, w, chunk_size):

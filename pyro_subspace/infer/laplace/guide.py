@@ -23,6 +23,7 @@ from pyro.infer.autoguide import AutoContinuous, AutoGuide
 from ... import _checks as ck
 from ..._linalg import symmetrize_
 from ...data import DataSource
+from ...gram import RootRows
 from ...nn import SubspaceNet
 from ...nn.evaluator import Evaluator
 from .map_search import _find_map, _newton, _warn_unconverged
@@ -202,7 +203,26 @@ class AutoSubspaceLaplace(AutoContinuous):
             self._buffers[name] = buf
         return buf
 
+    @property
+    def scale_tril(self) -> torch.Tensor:
+        """The factor ``L`` of ``Σ`` (``L Lᵀ = Σ``, lower triangular for the full structure).
+        A posterior set from fewer GGN rows than ``K`` (`FullStructure.posterior_from_root_`)
+        forms it here, on first use: a ``K³/3`` Cholesky of ``Σ`` that only draws need."""
+        buffers = self.__dict__.get("_buffers", {})
+        if "scale_tril" not in buffers:  # during construction
+            raise AttributeError("scale_tril")
+        if self.__dict__.get("_factor_pending"):
+            out = self._materialized("scale_tril")
+            self.structure.factor_from_covariance_(self.covariance, out)
+            self.__dict__["_factor_pending"] = False
+        return self._buffers["scale_tril"]
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        _ = self.scale_tril  # a factor left to first use is formed: the state holds all of Σ
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        self.__dict__["_factor_pending"], self.__dict__["_root"] = False, None
         for name in POSTERIOR_BUFFERS:  # copy_ needs memory to write into
             if not self._buffers[name].is_contiguous():
                 self._materialized(name).zero_()
@@ -277,7 +297,12 @@ class AutoSubspaceLaplace(AutoContinuous):
             dtype = self.model.subspace.shift.dtype
             _warn_unconverged(grad, tol, iterations, max_iter if used_up else None, dtype)
         self.loc.copy_(t.detach())
-        self.ggn = self.structure.curvature(ev, t, dtype=self._buffers_dtype).detach()
+        full = self.structure.name == "full"
+        rows = RootRows(2 * self.model.rank // 3) if full else None  # Woodbury pays below that
+        kw = {"rows": rows} if full else {}
+        self.ggn = self.structure.curvature(ev, t, dtype=self._buffers_dtype, **kw).detach()
+        root = rows.matrix() if full else None
+        self.__dict__["_root"] = None if root is None else (root, self.ggn, self.ggn._version)
         loglik, sse, count = ev.map_statistics(t) if has_targets else (math.nan, 0.0, 0)
         self.map_log_likelihood.fill_(loglik)
         self.fit_statistics.copy_(
@@ -304,9 +329,16 @@ class AutoSubspaceLaplace(AutoContinuous):
     def _set_posterior(self, prior_precision: torch.Tensor | None = None) -> None:
         s = self.structure
         out = [self._materialized(name) for name in ("precision", "scale_tril", "covariance")]
+        self.__dict__["_factor_pending"] = False
         if s.name == "full":  # in place, in the buffers' dtype, no (K, K) temporaries
             lam = self.prior_precision if prior_precision is None else prior_precision
             lam = torch.as_tensor(lam, dtype=torch.float64, device=self.loc.device)
+            root = self.__dict__.get("_root")  # fewer GGN rows than K: Woodbury, L on demand
+            if root is not None and root[1] is self.ggn and root[1]._version == root[2]:
+                args = (root[0], self.ggn, self.temperature, lam, self.model, out[0], out[2])
+                if s.posterior_from_root_(*args):
+                    self.__dict__["_factor_pending"] = True
+                    return
             s.posterior_(self.ggn, self.temperature, lam, self.model, *out)
             return
         precision = s.precision(

@@ -16,15 +16,19 @@ the functional covariance ``J_P Σ J_Pᵀ``, draws, and the log-determinants of 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..._linalg import (
+    FLOAT32_MAX_CONDITION,
     blas_module,
     blas_threads,
     cholesky,
     logdet,
     posterior_factors_,
     precision_to_scale_tril,
+    row_gram,
+    solve_lower,
     symmetrize_,
     tril_outer,
 )
@@ -37,8 +41,11 @@ class FullStructure:
     name = "full"
 
     @staticmethod
-    def curvature(evaluator, t: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        return evaluator.ggn(t, dtype=dtype)
+    def curvature(
+        evaluator, t: torch.Tensor, dtype: torch.dtype = torch.float64, rows=None
+    ) -> torch.Tensor:
+        """``PᵀGP`` ``(K, K)``; ``rows`` (a `gram.RootRows`) also collects its root ``A``."""
+        return evaluator.ggn(t, dtype=dtype, rows=rows)
 
     @staticmethod
     def prior_matrix(lam: torch.Tensor, model) -> torch.Tensor:
@@ -83,18 +90,7 @@ class FullStructure:
         float32, or off CPU) is formed again in float64 from ``curv`` and factorised there, with
         jitter if needed (`_linalg.precision_to_scale_tril`); the buffers get the result."""
 
-        def fill(p: torch.Tensor) -> torch.Tensor:
-            if curv.dtype == p.dtype:
-                torch.div(curv, temperature, out=p)
-            else:
-                p.copy_(curv).div_(temperature)
-            if lam.dim() == 1 or model.prior_gram.numel() == 0:  # diag(λ) or λ I
-                p.diagonal().add_(lam.to(p.dtype).expand(p.shape[0]))
-            else:
-                p.add_(lam * model.prior_gram_matrix())
-                symmetrize_(p)
-            return p
-
+        fill = lambda p: FullStructure._precision_(curv, temperature, lam, model, p)
         if posterior_factors_(fill(precision), scale_tril, covariance):
             return
         p64 = precision  # float32: formed again in float64, so a small λ is not rounded away
@@ -104,6 +100,86 @@ class FullStructure:
         factor = precision_to_scale_tril(p64)
         scale_tril.copy_(factor)
         covariance.copy_(tril_outer(factor))
+
+    @staticmethod
+    def _precision_(curv, temperature: float, lam: torch.Tensor, model, p: torch.Tensor):
+        """``p ← curv/T + Λ₀`` in ``p``'s dtype; returns ``p``."""
+        if curv.dtype == p.dtype:
+            torch.div(curv, temperature, out=p)
+        else:
+            p.copy_(curv).div_(temperature)
+        if lam.dim() == 1 or model.prior_gram.numel() == 0:  # diag(λ) or λ I
+            p.diagonal().add_(lam.to(p.dtype).expand(p.shape[0]))
+        else:
+            p.add_(lam * model.prior_gram_matrix())
+            symmetrize_(p)
+        return p
+
+    @staticmethod
+    def posterior_from_root_(
+        root: torch.Tensor,
+        curv: torch.Tensor,
+        temperature: float,
+        lam: torch.Tensor,
+        model,
+        precision: torch.Tensor,
+        covariance: torch.Tensor,
+    ) -> bool:
+        """Write ``Σ⁻¹`` and ``Σ`` from the GGN's root ``A`` ``(r, K)`` (``AᵀA = curv``) when
+        ``r < K``, by Woodbury's identity: with ``Λ₀ = D⁻²`` diagonal and ``Ã = A D``,
+
+            ``Σ = (AᵀA/T + D⁻²)⁻¹ = D (I − Bᵀ B) D``,  ``B = chol(T I + Ã Ãᵀ)⁻¹ Ã``,
+
+        ``r²K + K²r/2`` multiplications (an ``(r, r)`` Cholesky, a triangular solve and one
+        ``syrk``) instead of the ``K³`` of inverting ``Σ⁻¹``. The scale ``L`` is left to the
+        caller (a ``K³/3`` Cholesky of ``Σ``, needed only for draws). Computed in the buffers'
+        dtype; in float64 instead when float32 would lose more than about ``1e-3`` to the
+        cancellation in ``I − BᵀB`` (``max diag(T I + ÃÃᵀ)/T``, a lower bound on the condition
+        number of ``Σ⁻¹ D²``, above `FLOAT32_MAX_CONDITION`). Returns ``False`` (nothing
+        written) for a prior that is not diagonal (``λ PᵀP`` of a dense basis) or when
+        ``T I + ÃÃᵀ`` does not factorise."""
+        if not (lam.dim() == 1 or model.prior_gram.numel() == 0):
+            return False
+        k, scalar = covariance.shape[0], lam.dim() == 0
+        d = lam.to(torch.float64).expand(k).rsqrt()  # Λ₀ = D⁻²
+        for dtype in dict.fromkeys((covariance.dtype, torch.float64)):
+            # λ I: chol(λT I + A Aᵀ)⁻¹ A is the same B, and A needs no scaled copy
+            a = root.to(dtype) if scalar else root.to(dtype) * d.to(dtype)  # shape: (r, K)
+            c = row_gram(a)
+            shift = temperature * (float(lam) if scalar else 1.0)
+            c.diagonal().add_(shift)
+            # I − BᵀB has eigenvalues shift/(shift + s²): float32 cancellation costs ε·κ(Σ⁻¹),
+            # κ(Σ⁻¹) ≥ max diag(C)/shift
+            if dtype == torch.float32 and float(c.diagonal().max()) > shift * FLOAT32_MAX_CONDITION:
+                continue
+            chol, info = torch.linalg.cholesky_ex(c)
+            if int(info) != 0:
+                return False
+            b = solve_lower(chol, a)  # shape: (r, K)
+            out = covariance
+            if dtype != covariance.dtype:
+                out = torch.empty(covariance.shape, dtype=dtype, device=covariance.device)
+            _identity_minus_gram_(b, out)
+            if scalar:
+                out.div_(float(lam))
+            else:
+                dd = d.to(dtype)
+                out.mul_(dd[:, None] * dd[None, :])  # d_i d_j = d_j d_i: stays symmetric
+            if out is not covariance:
+                covariance.copy_(out)
+            FullStructure._precision_(curv, temperature, lam, model, precision)
+            return True
+        return False
+
+    @staticmethod
+    def factor_from_covariance_(covariance: torch.Tensor, scale_tril: torch.Tensor) -> None:
+        """``scale_tril ← chol(Σ)`` (the unique lower-triangular ``L`` with ``L Lᵀ = Σ``, as
+        `posterior_` writes it), in the buffers' dtype; in float64 (with `cholesky`'s stated
+        jitter if needed) when that dtype's factorisation fails."""
+        chol, info = torch.linalg.cholesky_ex(covariance)
+        if int(info) != 0:
+            chol = cholesky(covariance.double(), "posterior covariance")
+        scale_tril.copy_(chol)
 
     @staticmethod
     def factor(precision: torch.Tensor) -> torch.Tensor:
@@ -175,6 +251,26 @@ class FullStructure:
     @staticmethod
     def quad(matrix: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         return d @ matrix @ d
+
+
+def _identity_minus_gram_(b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out ← I − BᵀB`` ``(K, K)`` from ``B`` ``(r, K)``, exactly symmetric, in place when
+    ``out`` is a contiguous array of ``B``'s dtype (BLAS ``syrk`` on CPU: half the
+    multiplications of ``BᵀB``); returns ``out``."""
+    blas = blas_module(b)
+    if blas is None or not out.is_contiguous() or out.dtype != b.dtype:
+        out.copy_((b.T @ b).neg_())
+        symmetrize_(out)
+    else:
+        syrk = blas.ssyrk if b.dtype == torch.float32 else blas.dsyrk
+        c = out.detach().numpy().T  # Fortran view: its upper triangle is out's lower one
+        with blas_threads():  # the Fortran view of the C-ordered B is Bᵀ (K, r): (Bᵀ)(Bᵀ)ᵀ
+            res = syrk(-1.0, b.contiguous().numpy().T, beta=0.0, c=c, trans=0, overwrite_c=1)
+        if not np.shares_memory(res, c):  # pragma: no cover - SciPy copied: keep the result
+            out.copy_(torch.from_numpy(res.T))
+        symmetrize_(out, upper=False)
+    out.diagonal().add_(1.0)
+    return out
 
 
 class DiagonalStructure:

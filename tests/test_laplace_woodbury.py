@@ -1,0 +1,124 @@
+"""The full-covariance Laplace posterior from fewer GGN rows than weights (issue 13):
+``Σ = D (I − BᵀB) D`` by Woodbury's identity from the root ``A`` (``AᵀA = PᵀGP``), the factor
+``L`` formed on first use. Against dense float64 linear algebra on the stored curvature."""
+
+import pytest
+import torch
+from torch import nn
+
+from pyro_subspace import SubspaceNet, gram, likelihoods, subspaces
+from pyro_subspace.flat import FlatNet
+from pyro_subspace.infer import AutoSubspaceLaplace, linearized_moments
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+K = 60
+
+
+def make_guide(lik, n, lam, temperature=1.0, dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    out = 1 if isinstance(lik, likelihoods.Gaussian) else 3
+    net = nn.Sequential(
+        nn.Linear(3, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, out)
+    )
+    net = net.to(dtype)
+    x = torch.randn(n, 3).to(dtype)
+    y = torch.randn(n).to(dtype) if out == 1 else torch.randint(0, 3, (n,))
+    d = sum(p.numel() for p in net.parameters())
+    idx = torch.randperm(d, generator=torch.Generator().manual_seed(seed))[:K]
+    sub = subspaces.subnetwork(net, strategy="indices", indices=idx)
+    model = SubspaceNet(net, sub, lik, temperature=temperature)
+    return AutoSubspaceLaplace(model, prior_precision=lam), x, y
+
+
+def dense_covariance(la, lam):
+    lam = torch.as_tensor(lam, dtype=torch.float64)
+    prior = torch.diag(lam) if lam.dim() == 1 else lam * torch.eye(K, dtype=torch.float64)
+    return torch.linalg.inv(la.ggn.double() / la.temperature + prior)
+
+
+def rel(a, b):
+    return float((a.double() - b).abs().max() / b.abs().max())
+
+
+CASES = [  # (likelihood, N): rows N·O (Gaussian) or N·(O−1) (3 classes), all below 2K/3 = 40
+    (likelihoods.Gaussian(0.3), 25),
+    (likelihoods.Categorical(), 15),
+]
+
+
+@pytest.mark.parametrize("lik,n", CASES)
+@pytest.mark.parametrize("diagonal_prior", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.3])
+def test_woodbury_posterior_equals_the_dense_inverse(lik, n, diagonal_prior, temperature):
+    lam = torch.linspace(0.5, 3.0, K, dtype=torch.float64) if diagonal_prior else 2.0
+    la, x, y = make_guide(lik, n, lam, temperature)
+    la.fit(x, y, find_map=False)
+    assert la.__dict__["_factor_pending"]  # the Woodbury route was taken
+    want = dense_covariance(la, lam)
+    assert rel(la.covariance, want) < 1e-11
+    assert torch.equal(la.covariance, la.covariance.T)
+    prior = torch.diag(torch.as_tensor(lam).expand(K))
+    assert rel(la.precision, la.ggn / la.temperature + prior) < 1e-14
+    # the linearised predictive uses Σ itself while the factor is not formed
+    _, f_cov = linearized_moments(la, x[:6])
+    assert la.__dict__["_factor_pending"]  # the moments formed no factor
+    w = la.model.subspace.weights(la.loc).detach()
+    blocks = la.model.subspace.jacobian_blocks(FlatNet(la.model.flat.net), x[:6], w, 64)
+    jac = torch.cat([j for _, j in blocks])  # shape: (6, O, K)
+    want_f = torch.einsum("nok,kl,npl->nop", jac.double(), want, jac.double())
+    assert rel(f_cov, want_f) < 1e-10
+    # the factor on first use: the Cholesky factor of Σ
+    assert rel(la.scale_tril, torch.linalg.cholesky(want)) < 1e-10
+    assert not la.__dict__["_factor_pending"]
+
+
+def test_more_rows_than_the_limit_take_the_dense_route():
+    la, x, y = make_guide(likelihoods.Gaussian(0.3), 50, 2.0)  # 50 rows > 2K/3 = 40
+    la.fit(x, y, find_map=False)
+    assert not la.__dict__["_factor_pending"]
+    assert rel(la.covariance, dense_covariance(la, 2.0)) < 1e-11
+    rows = gram.RootRows(5)
+    blocks = [(None, torch.ones(2, 1, 3)), (None, torch.ones(2, 1, 3)), (None, torch.ones(2, 1, 3))]
+    assert len(list(rows.tap(iter(blocks)))) == 3 and rows.matrix() is None  # 6 > 5 rows
+    rows = gram.RootRows(6)
+    list(rows.tap(iter(blocks)))
+    assert torch.equal(rows.matrix(), torch.ones(6, 3))  # exactly at the limit: kept
+
+
+def test_retuned_prior_reuses_the_rows_and_a_changed_curvature_does_not():
+    la, x, y = make_guide(likelihoods.Gaussian(0.3), 25, 2.0)
+    la.fit(x, y, find_map=False)
+    la.set_prior_precision(0.7)
+    assert la.__dict__["_factor_pending"]
+    assert rel(la.covariance, dense_covariance(la, 0.7)) < 1e-11
+    with torch.no_grad():
+        la.ggn.mul_(3.0)  # e.g. a re-tuned noise scale: the rows no longer match the curvature
+    la.set_prior_precision(0.7)
+    assert not la.__dict__["_factor_pending"]
+    assert rel(la.covariance, dense_covariance(la, 0.7)) < 1e-11
+
+
+def test_state_dict_holds_the_factor_formed_on_first_use(tmp_path):
+    la, x, y = make_guide(likelihoods.Categorical(), 15, 2.0)
+    la.fit(x, y, find_map=False)
+    assert la.__dict__["_factor_pending"]
+    torch.save(la.state_dict(), tmp_path / "guide.pt")
+    fresh, _, _ = make_guide(likelihoods.Categorical(), 15, 2.0)
+    fresh.load_state_dict(torch.load(tmp_path / "guide.pt", weights_only=True))
+    assert not fresh.__dict__["_factor_pending"]
+    assert torch.equal(fresh.scale_tril, la.scale_tril)
+    assert rel(fresh.scale_tril, torch.linalg.cholesky(dense_covariance(la, 2.0))) < 1e-10
+    assert torch.equal(fresh.sample_weights(4, seed=1), la.sample_weights(4, seed=1))
+
+
+def test_float32_woodbury_against_float64():
+    """Float32 buffers: the Woodbury covariance is as close to the float64 one as float32
+    rounding times the (modest) condition number allows."""
+    la32, x, y = make_guide(likelihoods.Gaussian(0.3), 25, 2.0, dtype=torch.float32)
+    la32.fit(x, y, find_map=False)
+    assert la32.__dict__["_factor_pending"] and la32.covariance.dtype == torch.float32
+    la64, x64, y64 = make_guide(likelihoods.Gaussian(0.3), 25, 2.0)
+    la64.fit(x64, y64, find_map=False)
+    assert rel(la32.covariance, la64.covariance) < 1e-5
+    assert rel(la32.scale_tril, la64.scale_tril) < 1e-5
