@@ -25,34 +25,36 @@ FLUSH_ROWS = 8192
 
 
 class RootRows:
-    """Collects the rows of the GGN's root ``A`` (``Σ_n A_nᵀ A_n = PᵀGP``) as blocks pass to
-    `gram_from_blocks`, while there are at most ``limit`` of them: a Laplace posterior over
-    ``K`` weights from fewer than ``K`` rows is cheaper by Woodbury's identity than from the
-    ``(K, K)`` precision (`FullStructure.posterior_from_root_`). Past ``limit`` rows it keeps
-    nothing (``matrix()`` is ``None``)."""
+    """Collects the rows of the GGN's root ``A`` (``Σ_n A_nᵀ A_n = PᵀGP``) while there are at
+    most ``limit`` of them: a Laplace posterior over ``K`` weights from fewer than ``K`` rows is
+    cheaper by Woodbury's identity than from the ``(K, K)`` precision
+    (`FullStructure.posterior_from_root_`), and needs no ``(K, K)`` GGN. `tap` holds the blocks
+    back from `gram_from_blocks` while they fit under ``limit`` (so the GGN is only formed when
+    asked for, from ``parts``); past ``limit`` it hands over those held and every later block,
+    and keeps nothing (``matrix()`` is ``None``)."""
 
     def __init__(self, limit: int) -> None:
-        self.limit, self.count, self.parts = limit, 0, []
+        self.limit, self.count = limit, 0
+        self.parts: list[torch.Tensor] | None = []  # blocks (n, C, K), copied
 
     def tap(self, blocks: Iterator[tuple[torch.Tensor, torch.Tensor]]):
-        """Pass ``blocks`` ``(outputs, A (n, C, K))`` through, copying ``A`` as ``(n·C, K)``."""
+        """``blocks`` ``(outputs, A (n, C, K))`` past ``limit`` rows; none before."""
         for out, a in blocks:
             if self.parts is not None:
-                rows = a.shape[0] * a.shape[1]
-                self.count += rows
-                if self.count > self.limit:
-                    self.parts = None
-                else:
-                    part = torch.empty(rows, a.shape[-1], dtype=a.dtype, device=a.device)
-                    part.view(a.shape).copy_(a.detach())
-                    self.parts.append(part)
+                self.count += a.shape[0] * a.shape[1]
+                if self.count <= self.limit:
+                    self.parts.append(a.detach().clone())  # its layout: syrk reads either
+                    continue
+                held, self.parts = self.parts, None
+                for part in held:
+                    yield None, part
             yield out, a
 
     def matrix(self) -> torch.Tensor | None:
         """``A`` ``(rows, K)``, or ``None`` (no rows, or more than ``limit``)."""
         if not self.parts:
             return None
-        return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
+        return torch.cat([p.reshape(-1, p.shape[-1]) for p in self.parts])
 
 
 def gram_from_blocks(

@@ -175,7 +175,8 @@ def test_float32_small_prior_is_factorised_in_float64():
     net, idx = la.model.flat.net, la.model.subspace.basis
     want = torch.linalg.inv(brute_force_ggn(net, idx, x) + 1e-6 * eye)
     assert (la.covariance.double() - want).abs().max() <= 1e-5 * want.abs().max()
-    la.__dict__["_root"] = None  # as after a re-tuned curvature: the dense route
+    with torch.no_grad():  # a curvature changed in place (as a re-tuned noise scale does) no
+        la.ggn.mul_(1.0)  # longer matches the kept rows: the dense route
     la.set_prior_precision(1e-6)
     want = torch.linalg.inv(la.ggn.double() + 1e-6 * eye)
     assert (la.covariance.double() - want).abs().max() <= 1e-5 * want.abs().max()

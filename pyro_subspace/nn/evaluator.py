@@ -154,9 +154,10 @@ class Evaluator:
         Inference eqs. 9, 15), weighted by the output-Hessian factor ``H_n = L_n L_nᵀ`` inside
         the Jacobian pass. Float32 networks: float32 products, float64 sums (`gram`). In-memory
         data go to the subspace in one call (its blocks bound the memory); the batches of a
-        ``DataLoader`` are summed in float64. ``rows`` (a `gram.RootRows`) also collects the
-        root ``A`` with ``AᵀA = PᵀGP``, for in-memory data on one process only (the rows of
-        a stream or of one shard are not the whole root)."""
+        ``DataLoader`` are summed in float64. ``rows`` (a `gram.RootRows`) collects the root
+        ``A`` with ``AᵀA = PᵀGP`` instead, for in-memory data on one process only (the rows of
+        a stream or of one shard are not the whole root): ``None`` is returned when all of
+        them fit under its limit (the GGN is then formed from ``rows.parts`` when needed)."""
         model = self.model
         w = model.subspace.weights(t).detach()
         flat = FlatNet(model.flat.net, batch_strategy="loop")
@@ -173,6 +174,8 @@ class Evaluator:
                 total = model.subspace.ggn_sum(
                     flat, xc, w, chunk, factor, diagonal, total, dtype=torch.float64
                 )
+        if total is None and rows is not None and rows.matrix() is not None:
+            return None
         return self.data.reduce(total).detach().to(dtype)  # ggn_sum's are exactly symmetric
 
     # ------------------------------------------------------------------ BatchNorm

@@ -26,6 +26,7 @@ from ...data import DataSource
 from ...gram import RootRows
 from ...nn import SubspaceNet
 from ...nn.evaluator import Evaluator
+from .deferred import DeferredPosterior
 from .map_search import _find_map, _newton, _warn_unconverged
 from .predictive import linearized_predictive
 from .structures import make_structure
@@ -35,7 +36,7 @@ PRIOR_MEANS = ("shift", "zero")
 POSTERIOR_BUFFERS = ("ggn", "precision", "covariance", "scale_tril")
 
 
-class AutoSubspaceLaplace(AutoContinuous):
+class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
     """A Laplace guide ``q(t) = N(t*, Σ)`` for the latent sites of a `SubspaceNet` (eq. 15).
 
     Follows Pyro's ``AutoLaplaceApproximation``: find the MAP, take the curvature there, give a
@@ -131,6 +132,7 @@ class AutoSubspaceLaplace(AutoContinuous):
         self.register_buffer("map_log_likelihood", torch.zeros((), **f64))
         # temperature, number of data, RSS and observations of the fit; temperature 0 = unfitted
         self.register_buffer("fit_statistics", torch.zeros(4, **f64))
+        self._reset_deferred()
         self._setup_prototype()
 
     # ------------------------------------------------------------------ Pyro's autoguide API
@@ -203,26 +205,8 @@ class AutoSubspaceLaplace(AutoContinuous):
             self._buffers[name] = buf
         return buf
 
-    @property
-    def scale_tril(self) -> torch.Tensor:
-        """The factor ``L`` of ``Σ`` (``L Lᵀ = Σ``, lower triangular for the full structure).
-        A posterior set from fewer GGN rows than ``K`` (`FullStructure.posterior_from_root_`)
-        forms it here, on first use: a ``K³/3`` Cholesky of ``Σ`` that only draws need."""
-        buffers = self.__dict__.get("_buffers", {})
-        if "scale_tril" not in buffers:  # during construction
-            raise AttributeError("scale_tril")
-        if self.__dict__.get("_factor_pending"):
-            out = self._materialized("scale_tril")
-            self.structure.factor_from_covariance_(self.covariance, out)
-            self.__dict__["_factor_pending"] = False
-        return self._buffers["scale_tril"]
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        _ = self.scale_tril  # a factor left to first use is formed: the state holds all of Σ
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
-        self.__dict__["_factor_pending"], self.__dict__["_root"] = False, None
+        self._reset_deferred()
         for name in POSTERIOR_BUFFERS:  # copy_ needs memory to write into
             if not self._buffers[name].is_contiguous():
                 self._materialized(name).zero_()
@@ -300,9 +284,10 @@ class AutoSubspaceLaplace(AutoContinuous):
         full = self.structure.name == "full"
         rows = RootRows(2 * self.model.rank // 3) if full else None  # Woodbury pays below that
         kw = {"rows": rows} if full else {}
-        self.ggn = self.structure.curvature(ev, t, dtype=self._buffers_dtype, **kw).detach()
-        root = rows.matrix() if full else None
-        self.__dict__["_root"] = None if root is None else (root, self.ggn, self.ggn._version)
+        ggn = self.structure.curvature(ev, t, dtype=self._buffers_dtype, **kw)
+        self._reset_deferred(rows if ggn is None else None)  # None: the GGN is left pending
+        if ggn is not None:
+            self.ggn = ggn.detach()
         loglik, sse, count = ev.map_statistics(t) if has_targets else (math.nan, 0.0, 0)
         self.map_log_likelihood.fill_(loglik)
         self.fit_statistics.copy_(
@@ -329,16 +314,16 @@ class AutoSubspaceLaplace(AutoContinuous):
     def _set_posterior(self, prior_precision: torch.Tensor | None = None) -> None:
         s = self.structure
         out = [self._materialized(name) for name in ("precision", "scale_tril", "covariance")]
-        self.__dict__["_factor_pending"] = False
+        self.__dict__["_pending"] -= {"precision", "scale_tril"}
         if s.name == "full":  # in place, in the buffers' dtype, no (K, K) temporaries
             lam = self.prior_precision if prior_precision is None else prior_precision
             lam = torch.as_tensor(lam, dtype=torch.float64, device=self.loc.device)
-            root = self.__dict__.get("_root")  # fewer GGN rows than K: Woodbury, L on demand
-            if root is not None and root[1] is self.ggn and root[1]._version == root[2]:
-                args = (root[0], self.ggn, self.temperature, lam, self.model, out[0], out[2])
-                if s.posterior_from_root_(*args):
-                    self.__dict__["_factor_pending"] = True
-                    return
+            root = self._root()  # fewer GGN rows than K: Woodbury; Σ⁻¹ and L on first use
+            if root is not None and s.posterior_from_root_(
+                root, self.temperature, lam, self.model, out[2]
+            ):
+                self._defer("precision", "scale_tril", lam=lam)
+                return
             s.posterior_(self.ggn, self.temperature, lam, self.model, *out)
             return
         precision = s.precision(

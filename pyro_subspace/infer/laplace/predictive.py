@@ -68,7 +68,7 @@ def linearized_moments(
         # the full structure's own Σ: (J_P L)(J_P L)ᵀ with its triangular L (BLAS trmm)
         # (J_P Σ J_Pᵀ with Σ when the factor is left to first use: no K³/3 Cholesky for it)
         by_factor = covariance is None and hasattr(s, "functional_covariance_from_factor")
-        by_factor = by_factor and not guide.__dict__.get("_factor_pending", False)
+        by_factor = by_factor and "scale_tril" not in guide.__dict__.get("_pending", ())
         for out, jp in sub.jacobian_blocks(flat, x, w, chunk):
             means.append(out.double())
             if by_factor:

@@ -117,22 +117,17 @@ class FullStructure:
 
     @staticmethod
     def posterior_from_root_(
-        root: torch.Tensor,
-        curv: torch.Tensor,
-        temperature: float,
-        lam: torch.Tensor,
-        model,
-        precision: torch.Tensor,
-        covariance: torch.Tensor,
+        root: torch.Tensor, temperature: float, lam: torch.Tensor, model, covariance: torch.Tensor
     ) -> bool:
-        """Write ``Σ⁻¹`` and ``Σ`` from the GGN's root ``A`` ``(r, K)`` (``AᵀA = curv``) when
-        ``r < K``, by Woodbury's identity: with ``Λ₀ = D⁻²`` diagonal and ``Ã = A D``,
+        """Write ``Σ`` from the GGN's root ``A`` ``(r, K)`` (``AᵀA = PᵀGP``) when ``r < K``, by
+        Woodbury's identity: with ``Λ₀ = D⁻²`` diagonal and ``Ã = A D``,
 
             ``Σ = (AᵀA/T + D⁻²)⁻¹ = D (I − Bᵀ B) D``,  ``B = chol(T I + Ã Ãᵀ)⁻¹ Ã``,
 
         ``r²K + K²r/2`` multiplications (an ``(r, r)`` Cholesky, a triangular solve and one
-        ``syrk``) instead of the ``K³`` of inverting ``Σ⁻¹``. The scale ``L`` is left to the
-        caller (a ``K³/3`` Cholesky of ``Σ``, needed only for draws). Computed in the buffers'
+        ``syrk``) instead of the ``K³`` of inverting ``Σ⁻¹``. The precision (``PᵀGP/T + Λ₀``,
+        `_precision_`) and the scale ``L`` (a ``K³/3`` Cholesky of ``Σ``, for draws) are left
+        to the caller (`deferred`). Computed in the buffers'
         dtype; in float64 instead when float32 would lose more than about ``1e-3`` to the
         cancellation in ``I − BᵀB`` (``max diag(T I + ÃÃᵀ)/T``, a lower bound on the condition
         number of ``Σ⁻¹ D²``, above `FLOAT32_MAX_CONDITION`). Returns ``False`` (nothing
@@ -167,7 +162,6 @@ class FullStructure:
                 out.mul_(dd[:, None] * dd[None, :])  # d_i d_j = d_j d_i: stays symmetric
             if out is not covariance:
                 covariance.copy_(out)
-            FullStructure._precision_(curv, temperature, lam, model, precision)
             return True
         return False
 
