@@ -164,3 +164,28 @@ def test_recompute_batchnorm_sets_the_statistics_of_the_data_at_w(chunk_size):
     assert net[1].momentum == 0.3 and net.training and not net[1].training
     with pytest.raises(ValueError, match="chunk_size"):
         flat.recompute_batchnorm(w, x, chunk_size=0)
+
+
+def test_plain_mlp_path_gives_functional_calls_numbers_and_respects_hooks():
+    """An ``nn.Sequential`` of Linear layers and elementwise activations is evaluated layer by
+    layer (`FlatNet._plain_forward`): bit-identical to ``functional_call``, for one and for a
+    batch of weight vectors; a registered hook sends it back through the modules' calls."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 8, bias=False), nn.GELU(),
+                        nn.Linear(8, 2))  # fmt: skip
+    flat = FlatNet(net)
+    assert flat.mode_free and not FlatNet(nn.Sequential(nn.Linear(3, 2), nn.Dropout())).mode_free
+    w, x = torch.randn(4, flat.num_weights), torch.randn(5, 3)
+    want = torch.stack([functional_call(net, flat.unflatten(w[i]), (x,)) for i in range(4)])
+    assert torch.equal(flat(w, x), want) and torch.equal(flat(w[1], x), want[1])
+    handle = net[2].register_forward_hook(lambda m, i, o: 2 * o)
+    try:
+        hooked = flat(w[1], x)
+        assert torch.equal(hooked, functional_call(net, flat.unflatten(w[1]), (x,)))
+        assert not torch.equal(hooked, want[1])
+    finally:
+        handle.remove()
+    part = {"0.weight": w[0, :24].view(8, 3)}  # a subset: the others keep the net's own
+    assert torch.equal(flat.evaluate(part, x), functional_call(net, part, (x,)))

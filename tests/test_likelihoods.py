@@ -148,3 +148,16 @@ def test_learned_sigma_is_a_pyro_param():
     model = make_model(1.0, lik)
     poutine.trace(model).get_trace(torch.randn(5, 2), torch.randn(5))
     assert math.isclose(pyro.param("likelihood.sigma").item(), 2.0, rel_tol=1e-6)
+
+
+def test_gaussian_log_prob_prepared_equals_torchs_normal():
+    """The closed form of `Gaussian.log_prob_prepared` gives torch's ``Normal.log_prob``
+    numbers exactly (float32 and float64, one and several draws)."""
+    from torch.distributions import Normal
+
+    lik = likelihoods.Gaussian(0.3)
+    for dtype in (torch.float32, torch.float64):
+        out, y = torch.randn(3, 40, 1, dtype=dtype), torch.randn(40, dtype=dtype)
+        want = Normal(out.squeeze(-1), lik.sigma.to(dtype)).log_prob(y)  # its float32 σ
+        assert torch.equal(lik.log_prob(out, y), want)
+        assert torch.equal(lik.log_prob_prepared(out[0], y), want[0])

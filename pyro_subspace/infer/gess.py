@@ -272,7 +272,7 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
             total = 0.0
             with torch.no_grad():
                 for xc, yc in ev.chunks():
-                    total = total + lik.log_prob(model.outputs(t, xc), yc).double().sum(-1)
+                    total = total + lik.log_prob_prepared(model.outputs(t, xc), yc).double().sum(-1)
             return total / temperature
 
         return prior, loglik

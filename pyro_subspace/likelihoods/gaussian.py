@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from pyro.distributions import Distribution, Normal, constraints
@@ -91,6 +93,14 @@ class Gaussian(Likelihood):
             return outputs[..., 0], F.softplus(outputs[..., 1]) + self.min_scale
         loc = outputs.squeeze(-1) if outputs.shape[-1] == 1 else outputs
         return loc, self.sigma.to(loc).expand(loc.shape)
+
+    def log_prob_prepared(self, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loc, scale = self.loc_scale(outputs)
+        if loc.dim() == outputs.dim():  # O outputs: an event of O, through the distribution
+            return super().log_prob_prepared(outputs, y)
+        # Normal(loc, scale).log_prob(y) term by term as torch writes it (the same numbers),
+        # without building and checking a distribution at every likelihood evaluation
+        return -((y - loc) ** 2) / (2 * scale**2) - scale.log() - math.log(math.sqrt(2 * math.pi))
 
     def distribution(self, outputs: torch.Tensor) -> Distribution:
         loc, scale = self.loc_scale(outputs)

@@ -88,7 +88,7 @@ class Evaluator:
                 self._refresh_batchnorm(t)
             total = 0.0
             for xc, yc in self.chunks():
-                total += model.likelihood.log_prob(model.outputs(t, xc), yc).sum().item()
+                total += model.likelihood.log_prob_prepared(model.outputs(t, xc), yc).sum().item()
         return self.data.reduce(total) / self.temperature
 
     def nll_and_grad(self, t: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -97,7 +97,10 @@ class Evaluator:
         t = t.detach().requires_grad_(True)
         total, grad = 0.0, torch.zeros_like(t)
         for xc, yc in self.chunks():
-            nll = -model.likelihood.log_prob(model.outputs(t, xc), yc).sum() / self.temperature
+            nll = (
+                -model.likelihood.log_prob_prepared(model.outputs(t, xc), yc).sum()
+                / self.temperature
+            )
             (g,) = torch.autograd.grad(nll, t)
             total, grad = total + float(nll.detach()), grad + g.double()
         return self.data.reduce(total, grad)
@@ -112,7 +115,10 @@ class Evaluator:
         eye = torch.eye(t.shape[0], dtype=t.dtype, device=t.device)
         total = torch.zeros(t.shape[0], t.shape[0], dtype=torch.float64, device=t.device)
         for xc, yc in self.chunks():
-            nll = -model.likelihood.log_prob(model.outputs(t, xc), yc).sum() / self.temperature
+            nll = (
+                -model.likelihood.log_prob_prepared(model.outputs(t, xc), yc).sum()
+                / self.temperature
+            )
             (g,) = torch.autograd.grad(nll, t, create_graph=True)
             try:
                 (rows,) = torch.autograd.grad(g, t, eye, retain_graph=True, is_grads_batched=True)
@@ -132,7 +138,7 @@ class Evaluator:
         with torch.no_grad():
             for xc, yc in self.chunks():
                 out = model.outputs(t, xc)
-                loglik += float(lik.log_prob(out, yc).sum())
+                loglik += float(lik.log_prob_prepared(out, yc).sum())
                 if lik.noise_scale_tunable:
                     loc = lik.loc_scale(out)[0]
                     sse += float((loc - yc.reshape(loc.shape)).double().square().sum())

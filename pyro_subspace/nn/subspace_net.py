@@ -278,8 +278,11 @@ class SubspaceNet(PyroModule):
         w = self.subspace.weights(t)
         # self.flat.net, not self.net: PyroModule turns attribute access to a plain nn.Module
         # into a pyro.module statement, which would register the (unused) weights as params.
-        with eval_mode(self.flat.net):
+        if self.flat.mode_free:  # nothing to switch (and the switch costs a small net dearly)
             out = self.flat(w, x)
+        else:
+            with eval_mode(self.flat.net):
+                out = self.flat(w, x)
         return out.unsqueeze(-1) if out.dim() == w.dim() else out
 
     def forward(
