@@ -17,6 +17,7 @@ optionally every buffer) and puts them back on any exit, exceptions included; `e
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping
 
@@ -64,6 +65,8 @@ class FlatNet:
         self.num_weights = sum(self.numels)
         self._shape_of = dict(zip(self.names, self.shapes))
         self._plain = _plain_layers(net)
+        ends = list(itertools.accumulate(self.numels))
+        self._bounds = list(zip([0, *ends[:-1]], ends))
         self._modules_seen = list(net.modules()) if self._plain is not None else []
 
     def vector(self) -> torch.Tensor:
@@ -107,7 +110,20 @@ class FlatNet:
         The network runs in whatever mode it is in (see `eval_mode`); a batch in training mode
         is evaluated vector by vector, as in `evaluate`.
         """
+        loop = self.batch_strategy == "loop" or (self.batch_strategy == "auto" and x.is_cpu)
+        if (
+            self._plain is not None
+            and (w.dim() == 1 or (w.dim() == 2 and loop and w.shape[0] > 0))
+            and (w.shape[-1] == self.num_weights)
+        ):
+            if not _hooked(self._modules_seen):  # the flat vector's slices, no dict
+                one = lambda v: self._plain_forward(dict(zip(self.names, self._slices(v))), x)
+                return one(w) if w.dim() == 1 else torch.stack([one(v) for v in w])
         return self.evaluate(self.unflatten(w), x)
+
+    def _slices(self, w: torch.Tensor):
+        return (w[a:b].view(s) if w.is_contiguous() else w[a:b].reshape(s)
+                for (a, b), s in zip(self._bounds, self.shapes))  # fmt: skip
 
     def evaluate(
         self,

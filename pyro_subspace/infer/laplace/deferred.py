@@ -54,9 +54,9 @@ class DeferredPosterior:
 
     def _root(self) -> torch.Tensor | None:
         """The GGN's root ``A`` ``(r, K)`` if it still matches the ``ggn`` buffer, else ``None``
-        (a re-tuned curvature, a loaded state)."""
+        (a re-tuned curvature, a loaded state, a guide moved to another device)."""
         rows = self.__dict__.get("_rows")
-        if rows is None:
+        if rows is None or rows.parts[0].device != self.loc.device:  # moved by ``.to``
             return None
         if "ggn" not in self.__dict__["_pending"]:
             formed = self.__dict__.get("_rows_ggn")

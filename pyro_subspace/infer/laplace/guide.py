@@ -71,7 +71,11 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
     packed ``(K+1, k+1)`` for lowrank: `lowrank.unpack`), ``covariance``, ``scale_tril`` (its
     factor), ``ggn``, in ``dtype`` (above). Every draw (`forward`, `sample_weights`,
     ``Predictive``) and the linearised predictive use this one ``Σ``. Before `fit` these four
-    buffers are zeros that take no memory (materialised by `fit` or ``load_state_dict``).
+    buffers are zeros that take no memory (materialised by `fit` or ``load_state_dict``). With
+    at most ``2K/3`` GGN rows (``N·O``; ``N·(C−1)`` for ``C`` classes) the full structure takes
+    ``Σ`` from the rows by Woodbury's identity (``K²·rows`` instead of ``K³``) and forms
+    ``ggn``, ``precision`` and ``scale_tril`` when first read (`deferred`): the linearised
+    predictive needs none of them; a draw, the evidence or a ``state_dict`` forms them.
 
     Example:
         >>> x, y = torch.randn(30, 2), torch.randn(30)
