@@ -2,6 +2,8 @@
 ``Σ = D (I − BᵀB) D`` by Woodbury's identity from the root ``A`` (``AᵀA = PᵀGP``), the factor
 ``L`` formed on first use. Against dense float64 linear algebra on the stored curvature."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -126,3 +128,24 @@ def test_float32_woodbury_against_float64():
     la64.fit(x64, y64, find_map=False)
     assert rel(la32.covariance, la64.covariance) < 1e-5
     assert rel(la32.scale_tril, la64.scale_tril) < 1e-5
+
+
+def test_evidence_from_the_rows_equals_the_dense_one():
+    """The evidence's ``log|cG/T + λI|`` from the eigenvalues of the ``(r, r)`` ``A Aᵀ`` of the
+    kept rows (no ``(K, K)`` GGN formed) equals the one from the formed GGN's eigenvalues and a
+    dense ``slogdet``, also at another ``λ`` and ``σ``."""
+    la, x, y = make_guide(likelihoods.Gaussian(0.3), 25, 2.0)
+    la.fit(x, y, find_map=False)
+    got = [la.log_marginal_likelihood(), la.log_marginal_likelihood(0.5, sigma=0.4)]
+    assert "ggn" in la.__dict__["_pending"]  # the evidence formed no K x K GGN
+    with torch.no_grad():
+        la.ggn.mul_(1.0)  # the rows no longer count: the formed GGN's eigenvalues
+    want = [la.log_marginal_likelihood(), la.log_marginal_likelihood(0.5, sigma=0.4)]
+    for g, w in zip(got, want, strict=True):
+        assert abs(float(g - w)) < 1e-9 * abs(float(w))
+    g64 = la.ggn.double()
+    logdet = torch.linalg.slogdet(g64 / la.temperature + 2.0 * torch.eye(K, dtype=torch.float64))
+    d = la.loc - la.prior_loc
+    dense = la.map_log_likelihood / la.temperature - 2.0 * d.square().sum() / 2
+    dense = dense + (K * math.log(2.0) - logdet.logabsdet) / 2
+    assert abs(float(got[0] - dense)) < 1e-9 * abs(float(dense))

@@ -21,7 +21,7 @@ import torch
 from pyro.infer.autoguide import AutoContinuous, AutoGuide
 
 from ... import _checks as ck
-from ..._linalg import symmetrize_
+from ..._linalg import row_gram, symmetrize_
 from ...data import DataSource
 from ...gram import RootRows
 from ...nn import SubspaceNet
@@ -374,18 +374,16 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
             raise RuntimeError("log_marginal_likelihood: fit(x, y) with targets first")
         lam = self.prior_precision if prior_precision is None else prior_precision
         lam = torch.as_tensor(lam, dtype=torch.float64, device=self.loc.device)
-        ggn, loglik = self.ggn.double(), self.map_log_likelihood
+        loglik, c = self.map_log_likelihood, 1.0
         if sigma is not None:
             sigma0 = self._scalar_sigma()
             sigma = torch.as_tensor(sigma, dtype=torch.float64, device=self.loc.device)
-            ggn = self.structure.scale_curvature(ggn, (sigma0 / sigma) ** 2)
-            loglik = self._gaussian_loglik(sigma)
+            c, loglik = (sigma0 / sigma) ** 2, self._gaussian_loglik(sigma)
         s = self.structure
         d = self.loc - self.prior_loc
         if s.name == "full" and lam.dim() == 0 and self.model.prior_gram.numel() == 0:
             # Λ₀ = λI: log|cG/T + λI| = Σ_i log(c g_i/T + λ) from one eigendecomposition of the
             # fitted G, so each evidence evaluation (and its gradient) costs O(K), not O(K³)
-            c = 1.0 if sigma is None else (sigma0 / sigma) ** 2
             g = self._ggn_eigenvalues()
             k = g.numel()
             return (
@@ -393,6 +391,7 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
                 - lam * d.square().sum() / 2
                 + (k * lam.log() - torch.log(c * g / self.temperature + lam).sum()) / 2
             )
+        ggn = self.ggn.double() if sigma is None else s.scale_curvature(self.ggn.double(), c)
         prior = s.prior_matrix(lam, self.model)
         post = s.precision(ggn, self.temperature, prior)
         return (
@@ -403,14 +402,21 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
 
     def _ggn_eigenvalues(self) -> torch.Tensor:
         """Eigenvalues ``(K,)`` of the fitted ``PᵀGP`` (clamped at 0: it is PSD up to rounding),
-        cached until the curvature buffer changes."""
-        key = (self.ggn.data_ptr(), self.ggn._version)
+        cached until the curvature buffer changes; from the ``(r, r)`` ``A Aᵀ`` of the kept GGN
+        rows when there are any (`deferred`: ``r³`` instead of ``K³``, no ``(K, K)`` GGN)."""
+        root = self._root()
+        if root is not None:  # AᵀA and the (r, r) A Aᵀ share their non-zero eigenvalues
+            key = ("rows", id(self.__dict__["_rows"]))
+        else:
+            key = (self.ggn.data_ptr(), self.ggn._version)
         cached = self.__dict__.get("_eig_cache")
         if cached is None or cached[0] != key:
-            g = torch.linalg.eigvalsh(symmetrize_(self.ggn.to(torch.float64, copy=True))).clamp_min(
-                0
-            )
-            self.__dict__["_eig_cache"] = cached = (key, g)
+            if root is not None:
+                g = torch.linalg.eigvalsh(row_gram(root.double()))
+                g = torch.cat([g, g.new_zeros(root.shape[1] - root.shape[0])])
+            else:
+                g = torch.linalg.eigvalsh(symmetrize_(self.ggn.to(torch.float64, copy=True)))
+            self.__dict__["_eig_cache"] = cached = (key, g.clamp_min(0))
         return cached[1]
 
     def _scalar_sigma(self) -> float:
