@@ -222,7 +222,7 @@ def gaussian_draws(
 def row_gram(a: torch.Tensor) -> torch.Tensor:
     """``A Aᵀ`` ``(r, r)`` of ``A`` ``(r, K)``, exactly symmetric: BLAS ``syrk`` on CPU (half
     the multiplications of a general product), a matrix product elsewhere."""
-    blas = _blas(a)
+    blas = blas_module(a)
     if blas is None:
         return symmetrize_(a @ a.mT)
     syrk = blas.ssyrk if a.dtype == torch.float32 else blas.dsyrk
@@ -234,24 +234,10 @@ def row_gram(a: torch.Tensor) -> torch.Tensor:
 def solve_lower(chol: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """``chol⁻¹ A`` ``(r, K)`` for a lower-triangular ``chol`` ``(r, r)``: BLAS ``trsm`` on CPU
     (on the transposed, Fortran-ordered views: no copies beyond the result), else torch's."""
-    blas = _blas(a)
+    blas = blas_module(a)
     if blas is None or chol.dtype != a.dtype:
         return torch.linalg.solve_triangular(chol, a, upper=False)
     trsm = blas.strsm if a.dtype == torch.float32 else blas.dtrsm
     with blas_threads():  # Xᵀ = Aᵀ chol⁻ᵀ: Aᵀ and cholᵀ (upper) are the Fortran views
         out = trsm(1.0, chol.contiguous().numpy().T, a.contiguous().numpy().T, side=1, lower=0)
     return torch.from_numpy(out.T)  # C-ordered (r, K)
-
-
-def _blas(a: torch.Tensor):
-    """SciPy's BLAS for an unbatched float32/float64 CPU matrix without gradient, else ``None``."""
-    if a.dim() != 2 or a.device.type != "cpu" or a.dtype not in (torch.float32, torch.float64):
-        return None
-    if a.requires_grad:
-        return None
-    try:
-        import threadpoolctl  # noqa: F401
-        from scipy.linalg import blas
-    except ImportError:  # pragma: no cover - both come with scikit-learn
-        return None
-    return blas

@@ -36,6 +36,7 @@ class RootRows:
     def __init__(self, limit: int) -> None:
         self.limit, self.count = limit, 0
         self.parts: list[torch.Tensor] | None = []  # blocks (n, C, K), copied
+        self._matrix: torch.Tensor | None = None
 
     def tap(self, blocks: Iterator[tuple[torch.Tensor, torch.Tensor]]):
         """``blocks`` ``(outputs, A (n, C, K))`` past ``limit`` rows; none before."""
@@ -50,11 +51,18 @@ class RootRows:
                     yield None, part
             yield out, a
 
+    @property
+    def kept(self) -> bool:
+        """Every row passed is held (at least one, at most ``limit``)."""
+        return bool(self.parts)
+
     def matrix(self) -> torch.Tensor | None:
-        """``A`` ``(rows, K)``, or ``None`` (no rows, or more than ``limit``)."""
+        """``A`` ``(rows, K)`` (formed once), or ``None`` (no rows, or more than ``limit``)."""
         if not self.parts:
             return None
-        return torch.cat([p.reshape(-1, p.shape[-1]) for p in self.parts])
+        if self._matrix is None:
+            self._matrix = torch.cat([p.reshape(-1, p.shape[-1]) for p in self.parts])
+        return self._matrix
 
 
 def gram_from_blocks(

@@ -95,9 +95,9 @@ class Gaussian(Likelihood):
         return loc, self.sigma.to(loc).expand(loc.shape)
 
     def log_prob_prepared(self, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loc, scale = self.loc_scale(outputs)
-        if loc.dim() == outputs.dim():  # O outputs: an event of O, through the distribution
+        if self.heteroscedastic or outputs.shape[-1] != 1:  # through the distribution
             return super().log_prob_prepared(outputs, y)
+        loc, scale = self.loc_scale(outputs)
         # Normal(loc, scale).log_prob(y) term by term as torch writes it (the same numbers),
         # without building and checking a distribution at every likelihood evaluation
         return -((y - loc) ** 2) / (2 * scale**2) - scale.log() - math.log(math.sqrt(2 * math.pi))

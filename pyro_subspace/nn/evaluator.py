@@ -180,7 +180,7 @@ class Evaluator:
                 total = model.subspace.ggn_sum(
                     flat, xc, w, chunk, factor, diagonal, total, dtype=torch.float64
                 )
-        if total is None and rows is not None and rows.matrix() is not None:
+        if total is None and rows is not None and rows.kept:
             return None
         return self.data.reduce(total).detach().to(dtype)  # ggn_sum's are exactly symmetric
 

@@ -193,8 +193,9 @@ class Subspace(nn.Module):
         (Subnetwork Inference eqs. 9, 15): ``Σ AᵀA`` over the blocks ``A = L_nᵀ J_n P``
         (`gram.gram_from_blocks`: float32 products summed in float64), in ``dtype`` (default
         ``total``'s, else ``w``'s); exactly symmetric (overrides must keep that). ``rows`` (a
-        `gram.RootRows`) collects the blocks ``A`` too, up to its limit (overrides that do not
-        form ``A`` leave it empty)."""
+        `gram.RootRows`) holds the blocks ``A`` back while they fit under its limit (then
+        ``None`` is returned for no other blocks and no ``total``); overrides that do not form
+        ``A`` leave it empty."""
         blocks = self.jacobian_blocks(flat, x, w, chunk_size, factor)
         if rows is not None:
             blocks = rows.tap(blocks)

@@ -44,7 +44,8 @@ class FullStructure:
     def curvature(
         evaluator, t: torch.Tensor, dtype: torch.dtype = torch.float64, rows=None
     ) -> torch.Tensor:
-        """``PᵀGP`` ``(K, K)``; ``rows`` (a `gram.RootRows`) also collects its root ``A``."""
+        """``PᵀGP`` ``(K, K)``; with ``rows`` (a `gram.RootRows`) ``None`` when it holds all of
+        the root ``A`` (the GGN is then formed only when asked for: `deferred`)."""
         return evaluator.ggn(t, dtype=dtype, rows=rows)
 
     @staticmethod
