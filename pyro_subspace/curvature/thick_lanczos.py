@@ -105,11 +105,13 @@ def thick_restart_lanczos_eigh(
         """``r`` minus its part in the first ``j`` rows of ``q``, and that part's coefficients:
         classical Gram-Schmidt, repeated when the norm fell below ``1/√2`` of what it was
         (Daniel, Gragg, Kaufman & Stewart 1976; ARPACK's test). "Twice is enough"."""
-        coef = q[:j] @ r
-        norm0, r = r.norm(), r - coef @ q[:j]
-        if r.norm() < 0.7071 * norm0:
-            c = q[:j] @ r
-            r, coef = r - c @ q[:j], coef + c
+        basis = q[:j]
+        coef = torch.mv(basis, r)
+        norm0 = torch.linalg.vector_norm(r)
+        r = torch.addmv(r, basis.T, coef, alpha=-1)
+        if torch.linalg.vector_norm(r) < 0.7071 * norm0:
+            c = torch.mv(basis, r)
+            r, coef = torch.addmv(r, basis.T, c, alpha=-1), coef + c
         return r, coef
 
     def fresh(j: int) -> torch.Tensor:
