@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from .lanczos import _check_int, _fix_signs, checked_operator
+from .lanczos import _check_int, _fix_signs, _solver_setup, checked_operator
 
 
 def block_lanczos_eigh(
@@ -79,11 +79,7 @@ def block_lanczos_eigh(
     num_iter = _check_int(num_iter, "num_iter", k, dim)
     if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or tol < 0):
         raise ValueError(f"tol: expected a float >= 0 or None, got {tol!r}")
-    seed = _check_int(seed, "seed", -(2**63), 2**64 - 1)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
-    device = torch.device("cpu" if device is None else device)
-    gen = torch.Generator().manual_seed(seed)
+    gen, device = _solver_setup(seed, dtype, device)
 
     apply = checked_operator(matmat, "matmat", dtype, device)
 

@@ -37,6 +37,15 @@ def _check_int(value: object, name: str, low: int, high: int) -> int:
     return check_int(value, name, low, high)
 
 
+def _solver_setup(seed: object, dtype: object, device) -> tuple[torch.Generator, torch.device]:
+    """The checked ``seed``'s private generator and the device (CPU by default); a
+    ``TypeError`` unless ``dtype`` is a floating ``torch.dtype``."""
+    seed = _check_int(seed, "seed", -(2**63), 2**64 - 1)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
+    return torch.Generator().manual_seed(seed), torch.device("cpu" if device is None else device)
+
+
 def _valid_prefix(q: torch.Tensor, t: torch.Tensor) -> int:
     """Number of leading Lanczos vectors before a zero-``β`` breakdown produced NaNs."""
     ok = torch.isfinite(q).all(0) & torch.isfinite(t.diagonal())
@@ -89,11 +98,7 @@ def lanczos_eigh(
     if num_iter is None:
         num_iter = min(dim, max(2 * k + 20, 3 * k))
     num_iter = _check_int(num_iter, "num_iter", k, dim)
-    seed = _check_int(seed, "seed", -(2**63), 2**64 - 1)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
-    device = torch.device("cpu" if device is None else device)
-    gen = torch.Generator().manual_seed(seed)
+    gen, device = _solver_setup(seed, dtype, device)
 
     apply = checked_operator(matvec, "matvec", dtype, device)
 

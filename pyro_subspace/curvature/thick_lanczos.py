@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from .lanczos import _check_int, _fix_signs, checked_operator
+from .lanczos import _check_int, _fix_signs, _solver_setup, checked_operator
 
 
 def thick_restart_lanczos_eigh(
@@ -85,16 +85,12 @@ def thick_restart_lanczos_eigh(
     ncv = _check_int(ncv, "ncv", min(k + 1, dim), dim)
     max_products = max(100 * ncv, dim) if max_products is None else max_products
     max_products = _check_int(max_products, "max_products", 1, None)
-    seed = _check_int(seed, "seed", -(2**63), 2**64 - 1)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
-    device = torch.device("cpu" if device is None else device)
+    gen, device = _solver_setup(seed, dtype, device)
     if v0 is not None:
         if not isinstance(v0, torch.Tensor) or tuple(v0.shape) != (dim,):
             raise ValueError(f"v0: expected a tensor of shape ({dim},), got {v0!r}")
         if not torch.isfinite(v0).all() or not v0.abs().max() > 0:
             raise ValueError("v0: must be finite and not zero")
-    gen = torch.Generator().manual_seed(seed)
     apply = checked_operator(matvec, "matvec", dtype, device)
     eps = torch.finfo(dtype).eps
 
