@@ -27,7 +27,7 @@ from ...gram import RootRows
 from ...nn import SubspaceNet
 from ...nn.evaluator import Evaluator
 from .deferred import DeferredPosterior
-from .map_search import _find_map, _newton, _warn_unconverged
+from .map_search import _find_map, _newton, _warn_unconverged, has_kinks
 from .predictive import linearized_predictive
 from .structures import make_structure
 
@@ -283,7 +283,8 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
             steps = (5 if self.model.rank <= 512 else 0) if newton_steps is None else newton_steps
             t, grad = _newton(objective, t, grad, ev, prior, steps, tol)
             dtype = self.model.subspace.shift.dtype
-            _warn_unconverged(grad, tol, iterations, max_iter if used_up else None, dtype)
+            kinked = has_kinks(self.model.flat.net)
+            _warn_unconverged(grad, tol, iterations, max_iter if used_up else None, dtype, kinked)
         self.loc.copy_(t.detach())
         full = self.structure.name == "full"
         rows = RootRows(2 * self.model.rank // 3) if full else None  # Woodbury pays below that

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from ...exceptions import ConvergenceWarning
 
@@ -56,11 +57,46 @@ def _newton(
     return t, grad
 
 
+#: modules whose output is piecewise linear in their input: a loss built from them has kinks,
+#: and a minimum on a kink need not have a zero gradient
+KINKED = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.PReLU,
+    nn.RReLU,
+    nn.Hardtanh,
+    nn.Hardsigmoid,
+    nn.Hardswish,
+    nn.Hardshrink,
+    nn.Softshrink,
+    nn.Threshold,
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.MaxPool3d,
+    nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d,
+)
+
+
+def has_kinks(net: nn.Module) -> bool:
+    """Whether ``net`` has a piecewise-linear module (`KINKED`; functional calls such as
+    ``F.relu`` inside a custom ``forward`` are not seen)."""
+    return any(isinstance(m, KINKED) for m in net.modules())
+
+
 def _warn_unconverged(
-    grad: torch.Tensor, tol: float, iterations: int, max_iter: int | None, dtype: torch.dtype
+    grad: torch.Tensor,
+    tol: float,
+    iterations: int,
+    max_iter: int | None,
+    dtype: torch.dtype,
+    kinked: bool = False,
 ) -> None:
     """Warn (`ConvergenceWarning`) unless every gradient entry at ``t*`` is below ``tol``;
-    ``max_iter`` is given when the search ran out of its budget."""
+    ``max_iter`` is given when the search ran out of its budget; ``kinked``: the network has
+    piecewise-linear modules (`has_kinks`), named as a second cause in float32."""
     reached = float(grad.abs().max())
     if reached <= tol:
         return
@@ -71,6 +107,12 @@ def _warn_unconverged(
         why = f"the loss stopped decreasing in {dtype} after {iterations} iterations"
         how = "fit a float64 network (net.double() with float64 x and y): float32 rounding"
         how += " keeps the gradient far above tol"
+        if kinked:  # float64 alone would not help there: say so before the user tries it
+            how += (
+                "; the network's ReLU-type modules can also put the minimum on a kink, where"
+                " the gradient need not vanish even in float64 (a smooth activation or a"
+                " last-layer subspace helps)"
+            )
     else:
         why = f"no further decrease at float64 resolution after {iterations} iterations"
         how = "the loss is flat or not smooth near t* (ReLU kinks: a minimum there need not"
