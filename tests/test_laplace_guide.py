@@ -63,6 +63,37 @@ def test_diagonal_laplace_is_the_diag_structure_on_all_weights():
     assert diag.variance.shape == (sum(p.numel() for p in net.parameters()),)
 
 
+def test_laplace_subnetwork_by_diag_laplace_scores_with_its_own_likelihood_and_prior():
+    # Subnetwork Inference eq. 23: the K weights of largest 1 / (diag(G) + λ), with G from a
+    # brute-force Jacobian of the logits and H = diag(p) - p pᵀ
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x = torch.randn(30, 2, dtype=torch.float64)
+    la = Laplace(
+        net, likelihoods.Categorical(), "subnetwork", "full", prior_precision=3.0, n_params=7,
+        strategy="diag_laplace", x=x,
+    )  # fmt: skip
+    w = torch.nn.utils.parameters_to_vector(net.parameters()).detach()
+    out = lambda v: torch.func.functional_call(
+        net, dict(zip(dict(net.named_parameters()), _split(net, v))), (x,)
+    )
+    jac = torch.autograd.functional.jacobian(out, w)  # (N, C, D)
+    p = torch.softmax(out(w), -1)
+    h = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    diag_g = torch.einsum("ncd,nce,ned->d", jac, h, jac)
+    expected = (1.0 / (diag_g + 3.0)).topk(7).indices.sort().values
+    assert torch.equal(la.model.subspace.basis.cpu(), expected)
+    with pytest.raises(ValueError, match="x_train"):
+        Laplace(net, likelihoods.Categorical(), "subnetwork", n_params=7, strategy="diag_laplace")
+    with pytest.raises(ValueError, match="n_params=K"):
+        Laplace(net, likelihoods.Categorical(), "subnetwork")
+
+
+def _split(net: nn.Module, v: torch.Tensor) -> list[torch.Tensor]:
+    sizes = [q.numel() for q in net.parameters()]
+    return [c.reshape(q.shape) for c, q in zip(v.split(sizes), net.parameters())]
+
+
 # ---------------------------------------------------------------------- persistence
 
 

@@ -58,6 +58,14 @@ def Laplace(
             flat indices, or any `Subspace`.
         hessian_structure: ``"full"``, ``"diag"`` or ``"lowrank"`` (the top-``rank`` GGN
             eigenpairs by Lanczos plus the prior ``λ I`` as the isotropic remainder).
+        n_params: ``K``, how many weights ``"subnetwork"`` selects (required there).
+        strategy: `subspaces.subnetwork`'s selection for ``"subnetwork"``: ``"magnitude"``
+            (default: needs no data), ``"diag_laplace"`` (Subnetwork Inference eq. 23: the
+            largest marginal variances ``1 / (diag(G) + λ)`` under a diagonal Laplace with
+            this ``likelihood`` and ``prior_precision``; pass the training inputs ``x=``),
+            ``"random"``, ... (`subspaces.subnetwork`; its other keywords go in
+            ``strategy_kwargs``).
+        chunk_size: rows per Jacobian block of the fit.
         rank: ``k`` of ``"lowrank"``, ``1 <= k <= K`` (default ``min(K, 10)``); an error with
             another structure.
         prior_precision: ``λ`` of the weight prior ``N(0, λ⁻¹ I)``.
@@ -84,8 +92,19 @@ def Laplace(
         sub = subnetwork(net, strategy="last_layer")
     elif subset_of_weights == "subnetwork":
         if n_params is None:
-            raise ValueError("n_params: subset_of_weights='subnetwork' needs the number of weights")
-        sub = subnetwork(net, n_params, strategy=strategy, **strategy_kwargs)
+            raise ValueError(
+                "n_params: subset_of_weights='subnetwork' needs n_params=K, how many weights "
+                "to select (e.g. n_params=1000), or pass their flat indices as subset_of_weights"
+            )
+        kwargs = dict(strategy_kwargs)
+        if strategy == "diag_laplace":  # the fit's own likelihood and λ score the weights
+            if kwargs.get("x") is None:
+                raise ValueError(
+                    "x: strategy='diag_laplace' scores weights by the GGN diagonal on the "
+                    "training inputs: pass them, Laplace(..., strategy='diag_laplace', x=x_train)"
+                )
+            kwargs.update(likelihood=likelihood, prior_precision=float(prior_precision))
+        sub = subnetwork(net, n_params, strategy=strategy, **kwargs)
     else:
         raise ValueError(
             f"subset_of_weights: expected one of {SUBSETS}, flat indices or a Subspace, "
