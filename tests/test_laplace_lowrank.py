@@ -174,4 +174,6 @@ def test_the_map_search_step_is_sigma_times_the_gradient_without_a_dense_ggn(mon
     precision = u @ torch.diag(l / la.temperature) @ u.T + 1.5 * torch.eye(la.model.rank).double()
     assert torch.allclose(step, torch.linalg.solve(precision, grad), rtol=1e-10, atol=1e-13)
     net, _, _ = classifier()
-    Laplace(net, likelihoods.Categorical(), "all", "lowrank", 1.5, rank=4).fit(x, y)  # MAP search
+    Laplace(net, likelihoods.Categorical(), "all", "lowrank", 1.5, rank=4).fit(
+        x, y, find_map=True
+    )  # MAP search

@@ -89,7 +89,7 @@ class BaseGuideTestCase(PersistenceContract):
 
     def linear_fit(self):
         net, x, y = linear_problem()
-        guide = self.build(net, likelihoods.Gaussian(SIGMA)).fit(x, y)
+        guide = self.build(net, likelihoods.Gaussian(SIGMA)).fit(x, y, find_map=True)
         return guide, x, y
 
     @staticmethod

@@ -9,8 +9,6 @@ weight decay trains), so ``fit`` finds ``t* = 0`` when the net is that MAP, and
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -25,13 +23,22 @@ from .structures import check_structure
 from .tuning import optimize_prior_precision
 
 SUBSETS = ("all", "last_layer", "subnetwork")
+#: `subspaces.subnetwork` keywords that `Laplace` passes on (it sets ``likelihood`` and
+#: ``prior_precision`` itself)
+SELECTION_KEYWORDS = ("x", "collector", "names", "indices", "seed")
 
 
 def all_weights(net: nn.Module) -> IndexSubspace:
-    """The subspace of every weight: ``P = I_D`` as indices ``0 … D−1``, shift the current
-    weights (never a dense ``(D, D)`` matrix)."""
+    """The subspace of every weight that requires grad: ``P = I_D`` as indices ``0 … D−1``
+    (without the positions of frozen parameters), shift the current weights (never a dense
+    ``(D, D)`` matrix)."""
     w = FlatNet(net).vector()
-    return IndexSubspace(w, torch.arange(w.numel(), device=w.device))
+    trainable = torch.cat(
+        [torch.full((p.numel(),), p.requires_grad, device=w.device) for p in net.parameters()]
+    )
+    if not bool(trainable.any()):
+        raise ValueError("net: every parameter has requires_grad=False: no weights to infer")
+    return IndexSubspace(w, torch.nonzero(trainable)[:, 0])
 
 
 def Laplace(
@@ -46,14 +53,15 @@ def Laplace(
     chunk_size: int = 1024,
     rank: int | None = None,
     **strategy_kwargs: object,
-) -> AutoSubspaceLaplace:
+) -> NetLaplace:
     """A linearised Laplace approximation of ``net`` at its current weights (the MAP).
 
     Args:
         net: the trained network.
         likelihood: `Gaussian`, `Categorical`, `Bernoulli` (or your own `Likelihood`).
         subset_of_weights: ``"last_layer"`` (`LastLayerSubspace` for a final ``nn.Linear``),
-            ``"all"`` (every weight), ``"subnetwork"`` (``n_params`` weights chosen by
+            ``"all"`` (every weight that requires grad: frozen parameters keep their values,
+            as in laplace-torch), ``"subnetwork"`` (``n_params`` weights chosen by
             `subspaces.subnetwork` with ``strategy`` and ``strategy_kwargs``), a 1-D tensor of
             flat indices, or any `Subspace`.
         hessian_structure: ``"full"``, ``"diag"`` or ``"lowrank"`` (the top-``rank`` GGN
@@ -63,8 +71,10 @@ def Laplace(
             (default: needs no data), ``"diag_laplace"`` (Subnetwork Inference eq. 23: the
             largest marginal variances ``1 / (diag(G) + λ)`` under a diagonal Laplace with
             this ``likelihood`` and ``prior_precision``; pass the training inputs ``x=``),
-            ``"random"``, ... (`subspaces.subnetwork`; its other keywords go in
-            ``strategy_kwargs``).
+            ``"random"``, ... (`subspaces.subnetwork`).
+        strategy_kwargs: `subspaces.subnetwork`'s other keywords (`SELECTION_KEYWORDS`), only
+            with ``"subnetwork"``; any other keyword is a ``TypeError`` (laplace-torch's
+            ``sigma_noise``, ``subnetwork_indices``, ``backend`` say what to do instead).
         chunk_size: rows per Jacobian block of the fit.
         rank: ``k`` of ``"lowrank"``, ``1 <= k <= K`` (default ``min(K, 10)``); an error with
             another structure.
@@ -72,15 +82,25 @@ def Laplace(
         temperature: ``T`` of the likelihood.
 
     Returns:
-        An unfitted `AutoSubspaceLaplace`: call ``.fit(x, y)`` (or a Dataset / DataLoader),
+        An unfitted `NetLaplace` (an `AutoSubspaceLaplace` whose ``fit`` takes the network's
+        weights as the MAP, as laplace-torch does): call ``.fit(x, y)`` (or a Dataset / DataLoader),
         then ``.optimize_prior_precision("marglik" | "grid", ...)`` and
         ``.predict(x, link_approx="probit" | "mc")``.
     """
     if not isinstance(net, nn.Module):
         raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
     check_likelihood(likelihood)
-    _check_lambda(prior_precision), check_temperature(temperature)
+    prior_precision = _check_lambda(prior_precision)
+    check_temperature(temperature)
     check_structure(hessian_structure, rank), ck.positive_int(chunk_size, "chunk_size")
+    for name in strategy_kwargs:  # nothing is accepted and then ignored
+        if name in _LT_KEYWORDS:
+            raise TypeError(f"{name}: not an argument of Laplace here: {_LT_KEYWORDS[name]}")
+        if subset_of_weights != "subnetwork" or name not in SELECTION_KEYWORDS:
+            raise TypeError(
+                f"{name}: unexpected keyword; besides its own arguments Laplace takes only "
+                f"subspaces.subnetwork's {SELECTION_KEYWORDS}, with subset_of_weights='subnetwork'"
+            )
     if isinstance(subset_of_weights, Subspace):
         sub = subset_of_weights
     elif isinstance(subset_of_weights, torch.Tensor):
@@ -110,18 +130,120 @@ def Laplace(
             f"subset_of_weights: expected one of {SUBSETS}, flat indices or a Subspace, "
             f"got {subset_of_weights!r}"
         )
-    _check_lambda(prior_precision)
     model = SubspaceNet(
         net, sub, likelihood, prior_scale=1.0,
         temperature=check_temperature(temperature), prior_mean="zero",
     )  # fmt: skip
-    model.set_prior_precision(float(prior_precision))
-    return AutoSubspaceLaplace(
-        model, hessian_structure=hessian_structure, chunk_size=chunk_size, rank=rank
-    )
+    model.set_prior_precision(prior_precision)
+    return NetLaplace(model, hessian_structure=hessian_structure, chunk_size=chunk_size, rank=rank)
 
 
-class DiagonalLaplace(AutoSubspaceLaplace):
+class NetLaplace(AutoSubspaceLaplace):
+    """The guide `Laplace` returns: an `AutoSubspaceLaplace` with laplace-torch's habits.
+
+    - `fit` takes the network's weights as the MAP, as laplace-torch does
+      (``fit(x, y, find_map=True)`` searches the MAP of the posterior with this prior in the
+      subset instead: it moves ``t*`` away from ``0`` when the net was not trained with weight
+      decay ``λ/N``);
+    - ``predict(x, pred_type="glm", link_approx=..., n_samples=...)``,
+      ``optimize_prior_precision(method="gridsearch", val_loader=...)``, a settable
+      ``prior_precision``, and ``posterior_precision``, ``posterior_covariance``,
+      ``posterior_variance``, ``n_params``: laplace-torch's names;
+    - calling it as ``la(x, pred_type=..., link_approx=...)`` is a ``TypeError`` naming
+      `predict`: a Pyro guide, called, draws ``t ~ q(t)``.
+    """
+
+    def fit(self, x: object, y: torch.Tensor | None = None, **kwargs: object):
+        kwargs.setdefault("find_map", False)
+        return super().fit(x, y, **kwargs)
+
+    def forward(self, *args: object, **kwargs: object):
+        asked = sorted(set(kwargs) & {"pred_type", "link_approx", "n_samples", "joint"})
+        if asked:
+            raise TypeError(
+                f"{asked[0]}: calling the guide draws t ~ q(t), as Pyro's autoguides do; for "
+                "laplace-torch's la(x, pred_type=..., link_approx=...) call "
+                "la.predict(x, link_approx=...)"
+            )
+        return super().forward(*args, **kwargs)
+
+    def predict(
+        self,
+        x: torch.Tensor,
+        link_approx: str = "auto",
+        pred_type: str = "glm",
+        n_samples: int | None = None,
+        **kwargs: object,
+    ):
+        """`AutoSubspaceLaplace.predict`; ``pred_type`` only ``"glm"`` (the linearised
+        predictive); ``n_samples``: laplace-torch's name of ``num_samples``."""
+        if pred_type != "glm":
+            raise ValueError(
+                f"pred_type: only 'glm' (the linearised predictive), got {pred_type!r}; for "
+                "laplace-torch's 'nn' (weights drawn, the network run) use "
+                "Predictive(la.model, guide=la, num_samples=S)(x)"
+            )
+        if n_samples is not None:
+            if "num_samples" in kwargs:
+                raise TypeError("n_samples: give num_samples or n_samples, not both")
+            kwargs["num_samples"] = n_samples
+        return super().predict(x, link_approx, **kwargs)
+
+    def optimize_prior_precision(self, method: str = "marglik", **kwargs: object):
+        """`AutoSubspaceLaplace.optimize_prior_precision`; also laplace-torch's
+        ``method="gridsearch"`` and ``val_loader=`` (a DataLoader of ``(x, y)``)."""
+        if "val_loader" in kwargs:
+            if "x_val" in kwargs:
+                raise TypeError("val_loader: give x_val (and y_val) or val_loader, not both")
+            kwargs["x_val"] = kwargs.pop("val_loader")
+        return super().optimize_prior_precision(
+            "grid" if method == "gridsearch" else method, **kwargs
+        )
+
+    @property
+    def prior_precision(self) -> torch.Tensor:
+        """The model's ``λ`` (`AutoSubspaceLaplace.prior_precision`); setting it updates ``Σ``
+        (`set_prior_precision`)."""
+        return AutoSubspaceLaplace.prior_precision.fget(self)
+
+    @prior_precision.setter
+    def prior_precision(self, value: float | torch.Tensor) -> None:
+        self.set_prior_precision(value)
+
+    @property
+    def n_params(self) -> int:
+        """``K``, the number of weights with a posterior."""
+        return self.model.rank
+
+    @property
+    def posterior_precision(self) -> torch.Tensor:
+        """``Σ⁻¹``: ``(K, K)`` (full) or ``(K,)`` (diag); the ``precision`` buffer."""
+        self._check_fitted()
+        if self.structure.name == "lowrank":
+            raise ValueError(
+                "posterior_precision: the lowrank structure keeps it packed: la.precision"
+            )
+        return self.precision
+
+    @property
+    def posterior_covariance(self) -> torch.Tensor:
+        """``Σ`` ``(K, K)`` (the diag structure's as a diagonal matrix)."""
+        self._check_fitted()
+        if self.structure.name == "lowrank":
+            raise ValueError(
+                "posterior_covariance: the lowrank structure keeps it packed: la.covariance"
+            )
+        cov = self.covariance
+        return torch.diag(cov) if self.structure.name == "diag" else cov
+
+    @property
+    def posterior_variance(self) -> torch.Tensor:
+        """The marginal variances ``diag(Σ)`` ``(K,)``, any structure."""
+        self._check_fitted()
+        return self.structure.marginal_std(self.scale_tril).square()
+
+
+class DiagonalLaplace(NetLaplace):
     """The diagonal (mean-field) linearised Laplace over all ``D`` weights: a baseline.
 
     ``q(w) = N(ŵ, diag(1 / (g/T + λ)))`` with ``g = diag(G)`` the exact GGN diagonal and the
@@ -147,19 +269,13 @@ class DiagonalLaplace(AutoSubspaceLaplace):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
         check_likelihood(likelihood)
-        _check_lambda(prior_precision)
+        prior_precision = _check_lambda(prior_precision)
         model = SubspaceNet(
             net, all_weights(net), likelihood, prior_scale=1.0,
             temperature=check_temperature(temperature), prior_mean="zero",
         )  # fmt: skip
-        model.set_prior_precision(float(prior_precision))
+        model.set_prior_precision(prior_precision)
         super().__init__(model, hessian_structure="diag", chunk_size=chunk_size or 1024)
-
-    def fit(self, x: object, y: torch.Tensor | None = None, **kwargs: object) -> DiagonalLaplace:
-        """The GGN diagonal at the current weights (no MAP search; ``y`` only for the evidence)."""
-        kwargs.setdefault("find_map", False)
-        super().fit(x, y, **kwargs)
-        return self
 
     def optimize_prior_precision(self, *args: object, **kwargs: object) -> DiagonalLaplace:
         """``optimize_prior_precision(x_val, y_val, grid=None)``: the grid method (validation
@@ -190,10 +306,28 @@ class DiagonalLaplace(AutoSubspaceLaplace):
         return linearized_moments(self, x, chunk_size=chunk_size)
 
 
-def _check_lambda(prior_precision: object) -> None:
-    bad = isinstance(prior_precision, bool) or not isinstance(prior_precision, (int, float))
-    if bad or not 0 < prior_precision < math.inf:
-        raise ValueError(f"prior_precision: expected a positive number, got {prior_precision!r}")
+def _check_lambda(prior_precision: object) -> float:
+    """``λ`` as a float: a positive number, a one-element floating tensor (e.g. a tuned
+    ``la.prior_precision``) or a NumPy scalar."""
+    return ck.positive_float(prior_precision, "prior_precision")
 
 
-__all__ = ["SUBSETS", "DiagonalLaplace", "Laplace", "LastLayerSubspace", "all_weights"]
+#: laplace-torch keywords with no counterpart here, and what to do instead
+_LT_KEYWORDS = {
+    "sigma_noise": "give the noise to the likelihood: likelihoods.Gaussian(sigma=...)",
+    "subnetwork_indices": "pass the flat indices as subset_of_weights",
+    "backend": "there are no curvature backends: the GGN is exact (Jacobian products)",
+    "prior_mean": "the prior is N(0, 1/prior_precision I) on the weights (what weight "
+    "decay trains); for another prior build AutoSubspaceLaplace(SubspaceNet(...), prior_mean=)",
+    "temperature_scaling": "pass temperature=T",
+}
+
+
+__all__ = [
+    "SUBSETS",
+    "DiagonalLaplace",
+    "Laplace",
+    "LastLayerSubspace",
+    "NetLaplace",
+    "all_weights",
+]

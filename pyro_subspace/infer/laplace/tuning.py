@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from ...data import DataSource
 from ...flat import FlatNet
 
 #: The default grid of prior precisions, ``10^-4 … 10^4`` (33 values), for every posterior.
@@ -70,7 +71,7 @@ def optimize_prior_precision(
     method: str = "marglik",
     *,
     optimize_sigma: bool = False,
-    x_val: torch.Tensor | None = None,
+    x_val: object = None,
     y_val: torch.Tensor | None = None,
     grid: torch.Tensor | None = None,
     max_iter: int = 100,
@@ -81,8 +82,15 @@ def optimize_prior_precision(
     if method == "marglik":
         _optimize_marglik(guide, optimize_sigma, max_iter)
     elif method == "grid":
-        if x_val is None or y_val is None:
-            raise ValueError("x_val, y_val: the grid method needs validation data")
+        if x_val is None or (y_val is None and isinstance(x_val, torch.Tensor)):
+            raise ValueError(
+                "x_val, y_val: the grid method needs validation data: tensors, or a Dataset /"
+                " DataLoader of (x, y) as x_val"
+            )
+        guide.model.check_data(x_val, y_val)  # width, dtype, device, NaN: before any work
+        if not isinstance(x_val, torch.Tensor):  # a validation set: read once into memory
+            pairs = list(DataSource(x_val, y_val, guide.chunk_size))
+            x_val, y_val = torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
         grid = check_grid(grid)
         scores = validation_log_likelihood(guide, x_val, y_val, grid)
         guide.grid_scores = scores
