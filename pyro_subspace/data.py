@@ -102,6 +102,18 @@ class DataSource:
             yield xc
 
 
+def as_tensors(
+    x: object, y: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(x, y)`` as tensors: unchanged when they are, else a ``Dataset``/``DataLoader`` of
+    ``(x, y)`` read once, in its order, into memory (for what needs all rows at once: a
+    Pyro model's trace, a validation set)."""
+    if isinstance(x, torch.Tensor):
+        return x, y
+    pairs = list(DataSource(x, y))
+    return torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
+
+
 def _loader_rows(loader: DataLoader) -> int:
     """Rows a ``DataLoader`` yields per pass: its ``DistributedSampler``'s share, else the data
     set's length."""

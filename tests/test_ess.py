@@ -117,10 +117,22 @@ def dependent_model(y):
     pyro.sample("y", dist.Normal(b, 1.0), obs=y)
 
 
-@pytest.mark.parametrize("model, site", [(non_gaussian_model, "noise"), (dependent_model, "b")])
-def test_non_gaussian_or_dependent_priors_raise_type_error_naming_the_site(model, site):
+def wrapped_laplace_model(y):
+    b = pyro.sample("b", dist.Laplace(torch.zeros(2), 1.0).to_event(1))
+    pyro.sample("y", dist.Normal(b.sum(), 1.0), obs=y)
+
+
+@pytest.mark.parametrize(
+    "model, site, what",
+    [
+        (non_gaussian_model, "noise", "got HalfNormal$"),
+        (dependent_model, "b", "depend on other latent sites"),
+        (wrapped_laplace_model, "b", r"got Independent\(Laplace\)"),
+    ],
+)
+def test_non_gaussian_or_dependent_priors_raise_type_error_naming_the_site(model, site, what):
     kernel = EllipticalSliceSampler(model)
-    with pytest.raises(TypeError, match=f"site '{site}'"):
+    with pytest.raises(TypeError, match=f"site '{site}'.*{what}"):
         kernel.setup(0, torch.tensor(0.3))
 
 

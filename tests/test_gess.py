@@ -262,3 +262,27 @@ def test_fitted_reference_is_kept_and_starts_are_dispersed():
     se = ((var[:, None] * var[None, :] + (4 * cov) ** 2) / n).sqrt()
     assert ((torch.cov(start.T) - 4 * cov).abs() <= 4.5 * se).all()
     assert ((start.mean(0) - mean).abs() <= 4.5 * (var / n).sqrt()).all()
+
+
+def test_the_internal_laplace_reference_fit_does_not_warn_about_its_loose_map(monkeypatch):
+    # the kernel fits its reference with tol=1e-3 (any reference is exact): a ConvergenceWarning
+    # of that fit concerns nothing the user asked for, so it is not shown; others still are
+    import warnings
+
+    from pyro_subspace.exceptions import ConvergenceWarning
+
+    fit = AutoSubspaceLaplace.fit
+
+    def loose_fit(self, *args, **kwargs):
+        warnings.warn("fit: the MAP search did not converge", ConvergenceWarning)
+        warnings.warn("something else", UserWarning)
+        return fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(AutoSubspaceLaplace, "fit", loose_fit)
+    model, x, y = subspace_model(temperature=1.0)
+    kern = GeneralizedEllipticalSliceSampler(model, reference="laplace", chains=1, seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(kern, x, y, samples=5, warmup=2, chains=1)
+    kinds = [w.category for w in caught]
+    assert ConvergenceWarning not in kinds and UserWarning in kinds

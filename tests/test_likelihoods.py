@@ -1,4 +1,5 @@
 import math
+import warnings
 
 import pyro
 import pytest
@@ -148,6 +149,25 @@ def test_learned_sigma_is_a_pyro_param():
     model = make_model(1.0, lik)
     poutine.trace(model).get_trace(torch.randn(5, 2), torch.randn(5))
     assert math.isclose(pyro.param("likelihood.sigma").item(), 2.0, rel_tol=1e-6)
+
+
+def test_a_new_model_uses_its_own_learned_sigma_not_a_stale_param_store_entry():
+    # a first model traced under Pyro leaves "likelihood.sigma" = 2 in the global param store;
+    # a second model whose likelihood holds 0.1 (as fit_map leaves it) must observe with 0.1
+    x, y = torch.randn(6, 2), torch.randn(6)
+    poutine.trace(make_model(1.0, likelihoods.Gaussian(sigma_init=2.0))).get_trace(x, y)
+    assert math.isclose(pyro.param("likelihood.sigma").item(), 2.0, rel_tol=1e-6)
+    with pytest.warns(UserWarning, match="'likelihood.sigma' = 2 .*this model: 0.1"):
+        model = make_model(1.0, likelihoods.Gaussian(sigma_init=0.1))
+    got, trace = obs_log_prob_sum(model, x, y)
+    f = model.outputs(trace.nodes["t"]["value"], x)[:, 0].detach()
+    expected = stats.norm(f.numpy(), 0.1).logpdf(y.numpy()).sum()
+    assert math.isclose(float(got), expected, rel_tol=1e-5)
+    assert math.isclose(float(model.likelihood.sigma), 0.1, rel_tol=1e-6)
+    # the same likelihood again (the store holds its own value): nothing to drop, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_model(1.0, model.likelihood)
 
 
 def test_gaussian_log_prob_prepared_equals_torchs_normal():

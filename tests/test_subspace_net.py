@@ -156,3 +156,43 @@ def test_model_input_checks():
         model(x, torch.zeros(6, 6))
     with pytest.raises(ValueError, match="subsample_size: 10 exceeds"):
         model(x, torch.zeros(6), subsample_size=10)
+
+
+def test_a_dataset_or_dataloader_gives_the_trace_of_the_tensors():
+    from pyro import poutine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+    model = SubspaceNet(net, subspaces.random(net, 3, seed=0), likelihoods.Gaussian(0.3))
+    x, y = torch.randn(23, 2, dtype=torch.float64), torch.randn(23, dtype=torch.float64)
+    t = {"t": torch.randn(3, dtype=torch.float64)}
+
+    def obs_log_prob(*args):
+        trace = poutine.trace(poutine.condition(model, t)).get_trace(*args)
+        trace.compute_log_prob()
+        return trace.nodes["obs"]["log_prob_sum"]
+
+    expected = obs_log_prob(x, y)
+    for data in (TensorDataset(x, y), DataLoader(TensorDataset(x, y), batch_size=5)):
+        assert torch.equal(obs_log_prob(data), expected)
+
+
+def test_a_subspace_of_another_dtype_than_the_net_is_named():
+    net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 1))
+    sub = subspaces.random(net, 3, seed=0)
+    net.double()  # converted after the subspace was built
+    with pytest.raises(TypeError, match=r"subspace: is torch.float32 .* subspace.to\("):
+        SubspaceNet(net, sub, likelihoods.Gaussian(0.3))
+    model = SubspaceNet(net, sub.to(torch.float64), likelihoods.Gaussian(0.3))
+    assert model.outputs(torch.zeros(3, dtype=torch.float64), torch.ones(1, 2).double()).dtype == (
+        torch.float64
+    )
+
+
+def test_temperature_strings_other_than_auto_are_named():
+    net = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="temperature: expected a number > 0 or 'auto'"):
+        SubspaceNet(
+            net, subspaces.random(net, 2, seed=0), likelihoods.Gaussian(0.3), temperature="AUTO"
+        )

@@ -86,7 +86,7 @@ def gaussian_priors(model: Callable, args: tuple, kwargs: dict) -> list[Gaussian
         if _base_gaussian(site["fn"]) is None:
             raise TypeError(
                 f"site {name!r}: elliptical slice sampling needs a Gaussian prior (Normal or "
-                f"MultivariateNormal), got {type(site['fn']).__name__}"
+                f"MultivariateNormal), got {_describe(site['fn'])}"
             )
         if site["scale"] != 1.0:
             raise TypeError(f"site {name!r}: a latent under poutine.scale is not a Gaussian prior")
@@ -117,3 +117,13 @@ def check_full_data(trace: poutine.Trace) -> None:
                 f"{site['fn'].size} points; elliptical slice sampling needs the full "
                 "likelihood (call the model without subsample_size)"
             )
+
+
+def _describe(fn: object) -> str:
+    """A distribution's class, with what a wrapper (``to_event``, ``expand``, ``mask``) holds:
+    ``Independent(Laplace)``."""
+    from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
+
+    wrappers = (torch.distributions.Independent, ExpandedDistribution, MaskedDistribution)
+    name = type(fn).__name__
+    return f"{name}({_describe(fn.base_dist)})" if isinstance(fn, wrappers) else name

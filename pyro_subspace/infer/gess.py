@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +64,8 @@ from pyro.distributions import MultivariateNormal, Normal
 from pyro.distributions.torch_distribution import ExpandedDistribution
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 from torch.distributions import Independent
+
+from ..exceptions import ConvergenceWarning
 
 REFERENCES = ("warmup", "laplace", "prior")
 INFLATION, SHRINKAGE = 1.2, 0.1  # of the covariance refitted from warm-up draws
@@ -293,8 +296,11 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
                 from .laplace import AutoSubspaceLaplace
 
                 guide = AutoSubspaceLaplace(self.model, chunk_size=min(self.chunk_size, 1024))
-                # a reference needs no tight MAP: the sampler is exact for any reference
-                guide.fit(*args, **kwargs, max_iter=100, tol=1e-3)
+                # a reference needs no tight MAP: the sampler is exact for any reference, so
+                # the search's ConvergenceWarning (about a fit the user did not ask for) is moot
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", ConvergenceWarning)
+                    guide.fit(*args, **kwargs, max_iter=100, tol=1e-3)
                 self._laplace, self._laplace_key = _moments(guide), key
             return self._laplace
         return _moments(ref)

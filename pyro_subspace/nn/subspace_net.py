@@ -14,6 +14,8 @@ so that the posterior over ``t`` is the tempered posterior ``p(D|t)^{1/T} p(t)``
 
 from __future__ import annotations
 
+import warnings
+
 import pyro
 import torch
 from pyro.distributions import MultivariateNormal, Normal
@@ -22,13 +24,44 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from .. import _checks
-from ..data import DataSource, all_finite
+from ..data import DataSource, all_finite, as_tensors
 from ..flat import FlatNet, eval_mode
 from ..likelihoods import Likelihood, check_temperature
 from ..subspaces import Subspace
 from .evaluator import Evaluator
 
 PRIOR_MEANS = ("shift", "zero")
+
+
+def release_stale_params(root: PyroModule) -> list[str]:
+    """Drop the param-store entries that carry ``root``'s parameter names (e.g.
+    ``"likelihood.sigma"``) but another value: another model's, left by an earlier run in
+    this session. Inside ``MCMC``, ``SVI`` or ``Predictive`` Pyro would load that value into
+    ``root`` (the store wins), so a likelihood ``fit_map`` just trained would be silently
+    replaced. Warns naming them; returns the names dropped."""
+    store, stale = pyro.get_param_store(), []
+    for prefix, module in root.named_modules():
+        for name in getattr(module, "_pyro_params", {}) if isinstance(module, PyroModule) else ():
+            full = f"{prefix}.{name}" if prefix else name  # Pyro's name under a root named ""
+            if full not in store:
+                continue
+            mine, theirs = getattr(module, name).detach(), store[full].detach()
+            if theirs.shape != mine.shape or not torch.equal(theirs.to(mine), mine):
+                stale.append(f"{full!r} = {_short(theirs)} (this model: {_short(mine)})")
+                del store[full]
+    if stale:
+        warnings.warn(
+            f"{type(root).__name__}: Pyro's param store held {', '.join(stale)} from another "
+            "model; dropped, so this model uses its own values (pyro.clear_param_store() "
+            "between unrelated models avoids this)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return [s.split(" = ")[0].strip("'") for s in stale]
+
+
+def _short(value: torch.Tensor) -> str:
+    return f"{float(value):.4g}" if value.numel() == 1 else f"a {tuple(value.shape)} tensor"
 
 
 class SubspaceNet(PyroModule):
@@ -99,6 +132,13 @@ class SubspaceNet(PyroModule):
                 f"subspace: has D={subspace.dim} weights but the network has "
                 f"{self.flat.num_weights}; build the subspace from this network"
             )
+        net_dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), None)
+        if net_dtype is not None and subspace.shift.dtype != net_dtype:
+            raise TypeError(
+                f"subspace: is {subspace.shift.dtype} but the network is {net_dtype} (converted "
+                f"after the subspace was built?): call subspace.to({net_dtype}) or build the "
+                "subspace from the converted network"
+            )
         if not isinstance(likelihood, Likelihood):
             raise TypeError(
                 f"likelihood: expected a pyro_subspace Likelihood, got {type(likelihood).__name__}"
@@ -116,6 +156,8 @@ class SubspaceNet(PyroModule):
             )
         if not torch.isfinite(scale).all() or (scale <= 0).any():
             raise ValueError(f"prior_scale: expected positive finite values, got {prior_scale!r}")
+        if isinstance(temperature, str) and temperature != "auto":
+            raise ValueError(f"temperature: expected a number > 0 or 'auto', got {temperature!r}")
         if temperature != "auto":
             check_temperature(temperature)
         self.temperature = temperature
@@ -139,6 +181,7 @@ class SubspaceNet(PyroModule):
         self.register_buffer("prior_loc", torch.zeros(k, dtype=torch.float64, device=scale.device))
         self.register_buffer("prior_gram", torch.zeros(0, dtype=torch.float64, device=scale.device))
         self.set_prior(prior_mean)
+        release_stale_params(self)
 
     def set_prior(
         self, prior_mean: str, prior_precision: float | torch.Tensor | None = None
@@ -291,7 +334,9 @@ class SubspaceNet(PyroModule):
         """Run the model: sample ``t``, evaluate the network at ``w = ŵ + P t``, observe ``y``.
 
         Args:
-            x: inputs ``(N, ...)``.
+            x: inputs ``(N, ...)``, or a ``Dataset``/``DataLoader`` of ``(x, y)`` (read into
+                memory in its order on every call: a trace observes all rows; the elliptical
+                slice kernels and the Laplace guides stream it instead).
             y: targets ``(N,)`` (``(N, 1)`` accepted; ``(N, O)`` for multi-output regression),
                 or ``None`` to predict: ``"obs"`` is then sampled from ``p(y | f)``.
             subsample_size: minibatch size ``B`` of the ``"data"`` plate for this call
@@ -306,6 +351,7 @@ class SubspaceNet(PyroModule):
         ``None``); ``"obs"`` in plate ``"data"``.
         """
         n = self.check_data(x, y)
+        x, y = as_tensors(x, y)  # a Dataset / DataLoader: the trace observes every row
         size = _check_subsample(subsample_size) or self.subsample_size
         if size is not None and size > n:
             raise ValueError(f"subsample_size: {size} exceeds the number of data points {n}")

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ...data import DataSource
+from ...data import as_tensors
 from ...flat import FlatNet
 
 #: The default grid of prior precisions, ``10^-4 … 10^4`` (33 values), for every posterior.
@@ -88,9 +88,7 @@ def optimize_prior_precision(
                 " DataLoader of (x, y) as x_val"
             )
         guide.model.check_data(x_val, y_val)  # width, dtype, device, NaN: before any work
-        if not isinstance(x_val, torch.Tensor):  # a validation set: read once into memory
-            pairs = list(DataSource(x_val, y_val, guide.chunk_size))
-            x_val, y_val = torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
+        x_val, y_val = as_tensors(x_val, y_val)  # a Dataset / DataLoader: read once
         grid = check_grid(grid)
         scores = validation_log_likelihood(guide, x_val, y_val, grid)
         guide.grid_scores = scores
