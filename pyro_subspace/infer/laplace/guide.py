@@ -27,7 +27,7 @@ from ...gram import RootRows
 from ...nn import SubspaceNet
 from ...nn.evaluator import Evaluator
 from .deferred import DeferredPosterior
-from .map_search import _find_map, _newton, _warn_unconverged, has_kinks
+from .map_search import _find_map, _newton, _warn_unconverged, has_kinks, posterior_offset
 from .predictive import linearized_predictive
 from .structures import make_structure
 
@@ -254,15 +254,18 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
                 ``K`` backward passes over the data); ``None``: 5 for ``K ≤ 512``, else 0.
 
         Warns:
-            ConvergenceWarning: the MAP search ended with a gradient entry above ``tol`` (the
-                message gives the largest entry reached). ``t*`` is then not the MAP and the
+            ConvergenceWarning: the MAP search ended with a gradient entry above ``tol`` and
+                a Newton decrement ``√(∇ᵀΣ∇)`` above ``1e-3`` (`map_search.NEGLIGIBLE_OFFSET`:
+                below it ``t*`` is within a thousandth of a posterior standard deviation of the
+                MAP, as a float32 search stopped by rounding often is; the message gives both).
+                ``t*`` is then not the MAP and the
                 posterior is centred and curved at the wrong point. To converge: raise
                 ``max_iter`` or ``newton_steps``, and fit in float64 (``net.double()`` with float64 data): float32
                 gradients have a rounding floor far above the default ``tol=1e-9``. Even in
                 float64 the search can stall where the loss no longer resolves a decrease, or
                 at a minimum on a ReLU kink whose gradient does not vanish; a last-layer
                 subspace (linear in ``t``: the Gauss–Newton step is exact for a Gaussian
-                likelihood) always converges. Filter the warning by its class.
+                likelihood) converges, in float32 up to rounding. Filter the warning by its class.
         """
         ck.positive_int(max_iter, "max_iter"), ck.positive_float(tol, "tol")
         ck.nonneg_int(newton_steps, "newton_steps", allow_none=True)
@@ -282,9 +285,8 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
             t, grad = self._polish(objective, t, ev, prior)
             steps = (5 if self.model.rank <= 512 else 0) if newton_steps is None else newton_steps
             t, grad = _newton(objective, t, grad, ev, prior, steps, tol)
-            dtype = self.model.subspace.shift.dtype
-            kinked = has_kinks(self.model.flat.net)
-            _warn_unconverged(grad, tol, iterations, max_iter if used_up else None, dtype, kinked)
+            dtype, kinked = self.model.subspace.shift.dtype, has_kinks(self.model.flat.net)
+            unconverged = (grad, tol, iterations, max_iter if used_up else None, dtype, kinked)
         self.loc.copy_(t.detach())
         full = self.structure.name == "full"
         rows = RootRows(2 * self.model.rank // 3) if full else None  # Woodbury pays below that
@@ -299,6 +301,8 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
             torch.tensor([ev.temperature, ev.num_data, sse, count], dtype=torch.float64)
         )
         self._set_posterior()
+        if find_map:  # said only if t* is not the MAP up to a negligible part of Σ (Newton)
+            _warn_unconverged(*unconverged, offset=posterior_offset(self, unconverged[0]))
         return self
 
     def _polish(self, objective: Callable, t: torch.Tensor, ev, prior):
