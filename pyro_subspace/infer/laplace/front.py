@@ -215,25 +215,21 @@ class NetLaplace(AutoSubspaceLaplace):
         """``K``, the number of weights with a posterior."""
         return self.model.rank
 
+    def _unpacked(self, name: str, buffer: str) -> torch.Tensor:
+        self._check_fitted()
+        if self.structure.name == "lowrank":
+            raise ValueError(f"{name}: the lowrank structure keeps it packed: la.{buffer}")
+        return getattr(self, buffer)
+
     @property
     def posterior_precision(self) -> torch.Tensor:
         """``Σ⁻¹``: ``(K, K)`` (full) or ``(K,)`` (diag); the ``precision`` buffer."""
-        self._check_fitted()
-        if self.structure.name == "lowrank":
-            raise ValueError(
-                "posterior_precision: the lowrank structure keeps it packed: la.precision"
-            )
-        return self.precision
+        return self._unpacked("posterior_precision", "precision")
 
     @property
     def posterior_covariance(self) -> torch.Tensor:
         """``Σ`` ``(K, K)`` (the diag structure's as a diagonal matrix)."""
-        self._check_fitted()
-        if self.structure.name == "lowrank":
-            raise ValueError(
-                "posterior_covariance: the lowrank structure keeps it packed: la.covariance"
-            )
-        cov = self.covariance
+        cov = self._unpacked("posterior_covariance", "covariance")
         return torch.diag(cov) if self.structure.name == "diag" else cov
 
     @property
