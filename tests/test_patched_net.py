@@ -598,3 +598,23 @@ def test_predictive_mean_after_fit_runs_in_eval_mode_and_restores_the_modes():
     with torch.no_grad(), preserved(model.net, buffers=True):
         train_out = model.outputs({s.name: draws[s.site] for s in model.slots}, x)
     assert not torch.allclose(train_out.softmax(-1).mean(0), probs, atol=1e-3)
+
+
+@pytest.mark.parametrize("method", ["torch", "svi"])
+def test_fit_learns_a_gaussian_noise_scale_left_free(method):
+    # Gaussian(sigma=None): both fit methods optimise σ with the means (the same objective; the
+    # torch path had left σ at its initial 1.0). The expected log-likelihood at the fitted means
+    # is maximal at σ*² = E_z mean_n (y_n − f_z(x_n))² (400 draws of the patches). Adam with one
+    # draw per step settles near, not at, σ*: 12-16 % above it for both methods here (SVI being
+    # Pyro's own optimisation of the same ELBO), so the bound is 25 %, far from the 1.0 start
+    torch.manual_seed(0)
+    x = torch.randn(64, 3)
+    y = x.sum(-1) + 0.1 * torch.randn(64)
+    lik = likelihoods.Gaussian()
+    net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = PatchedNet(net, lik, mode="emp")
+    model.fit(x, y, epochs=1500, lr=1e-2, batch_size=64, seed=0, method=method)
+    with torch.no_grad():
+        f = model.sample_outputs(x, 400)[..., 0]
+    best = float(((y - f) ** 2).mean().sqrt())
+    assert best < 0.2 and float(lik.sigma.detach()) == pytest.approx(best, rel=0.25)

@@ -221,8 +221,10 @@ def torch_step(model, num_data: int, lr: float, validate: bool = False):
     flat = patch_flat.flat_means(model)
     decays = model.weight_decays(n)
     decay = torch.cat([flat.new_full((b,), decays[s.key]) for s, b in zip(model.slots, lay.blocks)])
-    optimizer = _DecayedAdam([flat], decay, lr=lr)
     sigma, temperature, lik = model.sigma, model.temperature, model.likelihood
+    # a learned noise scale (Gaussian(sigma=None)) is trained too, as SVI trains its PyroParam
+    learned = [p for p in lik.parameters() if p.requires_grad]
+    optimizer = _DecayedAdam([flat], decay, lr=lr, others=learned)
 
     def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         z = lay.draw(flat)
@@ -241,18 +243,25 @@ def torch_step(model, num_data: int, lr: float, validate: bool = False):
 
 class _DecayedAdam(torch.optim.Adam):
     """Adam with a per-element L2 coefficient ``decay`` (the tensor form of ``weight_decay``:
-    ``grad += decay ⊙ param`` before the update) on one parameter."""
+    ``grad += decay ⊙ param`` before the update) on one parameter; ``others`` (e.g. a learned
+    noise scale) in a second group without decay."""
 
-    def __init__(self, params: list[torch.Tensor], decay: torch.Tensor, lr: float) -> None:
-        super().__init__(params, lr=lr)
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        decay: torch.Tensor,
+        lr: float,
+        others: list[torch.Tensor] = (),
+    ) -> None:
+        groups = [{"params": params}] + ([{"params": list(others)}] if others else [])
+        super().__init__(groups, lr=lr)
         self.decay = decay
 
     @torch.no_grad()
     def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.addcmul_(self.decay, p)
+        for p in self.param_groups[0]["params"]:
+            if p.grad is not None:
+                p.grad.addcmul_(self.decay, p)
         return super().step(closure)
 
 
