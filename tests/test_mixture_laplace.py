@@ -138,6 +138,29 @@ def test_prior_precision_tuning_scores_match_the_refitted_mixture(trained):
     assert first == 0 or mmcs[first - 1] < 0.9
 
 
+def test_regression_grid_scores_match_the_refitted_mixture_density():
+    # regression: the grid scores the mixture-of-Gaussians density (it raised AttributeError)
+    torch.manual_seed(0)
+    x, y = torch.randn(50, 2), torch.randn(50)
+    nets = [nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1)) for _ in range(2)]
+    lik = likelihoods.Gaussian(sigma=0.5)
+    grid = torch.tensor([0.01, 1.0, 100.0], dtype=torch.float64)
+    mola = MixtureOfLaplace(nets, lik).fit(x, y)
+    mola.optimize_prior_precision("grid", x[:20], y[:20], grid)
+    for i in range(3):
+        ref = MixtureOfLaplace(nets, lik, prior_precision=float(grid[i])).fit(x, y)
+        lp = ref.log_prob(x[:20], y[:20]).mean()
+        assert float(mola.grid_scores[i, 0]) == pytest.approx(float(lp), rel=1e-5)
+    assert mola.prior_precision == float(grid[int(mola.grid_scores[:, 0].argmax())])
+    assert torch.equal(
+        mola.member_prior_precisions, torch.full((2,), mola.prior_precision, dtype=torch.float64)
+    )
+    # "marglik": each member its own evidence-maximising λ; no shared value is claimed
+    mola.optimize_prior_precision("marglik")
+    own = [float(g.prior_precision) for _, g in mola.members]
+    assert mola.prior_precision is None and mola.member_prior_precisions.tolist() == own
+
+
 def test_far_away_confidence_map_tends_to_one_laplace_stays_below_the_bound():
     x, y = _blobs()
     make = lambda: nn.Sequential(  # a ReLU network without biases (MoLA B.1)

@@ -145,7 +145,11 @@ class MixtureOfLaplace(MixturePredictor):
             if fixed is not None
             else torch.full((k,), 1.0 / k, dtype=torch.float64)
         )
-        self.prior_precision = float(prior_precision)
+        #: the ``λ`` shared by the members (constructor, grid methods); ``None`` after
+        #: ``optimize_prior_precision("marglik")``, which gives each its own
+        #: (`member_prior_precisions`)
+        self.prior_precision: float | None = float(prior_precision)
+        self._initial_prior_precision = self.prior_precision
         self.prior_mean = prior_mean
         self.temperature = temperature
         self.chunk_size = chunk_size
@@ -195,6 +199,8 @@ class MixtureOfLaplace(MixturePredictor):
             for net, lik in zip(self.nets, self.likelihoods):  # every member, before any work
                 _checks.check_data(net, x, y, lik, require_y=True)
         self.members = []
+        if self.prior_precision is None:  # after "marglik": a refit starts from the shared λ
+            self.prior_precision = self._initial_prior_precision
         for i, (net, lik) in enumerate(zip(self.nets, self.likelihoods)):
             sub = self._subspace(i, net)
             model = SubspaceNet(
@@ -209,6 +215,12 @@ class MixtureOfLaplace(MixturePredictor):
             self.members.append((model, guide))
         self._update_weights()
         return self
+
+    @property
+    def member_prior_precisions(self) -> torch.Tensor:
+        """Each fitted member's ``λ`` ``(M,)``, float64 (equal unless tuned by ``"marglik"``)."""
+        self._check_fitted()
+        return torch.stack([g.prior_precision.double().mean().cpu() for _, g in self.members])
 
     def _update_weights(self) -> None:
         self.log_evidences = torch.stack(
@@ -252,6 +264,7 @@ class MixtureOfLaplace(MixturePredictor):
         if method == "marglik":
             for _, guide in self.members:
                 guide.optimize_prior_precision("marglik")
+            self.prior_precision = None  # no longer shared: `member_prior_precisions`
             self._update_weights()
             return self
         if method not in ("grid", "confidence"):
@@ -314,7 +327,8 @@ class MixtureOfLaplace(MixturePredictor):
                 f_var = ju2 @ (1.0 / (e + lam))
                 comps.append(_from_moments(model.likelihood, f_mean, torch.diag_embed(f_var)))
             comp = _stack(comps)
-            weights = self.weights.to(comp.device)  # the members' device
+            device = (comp[0] if isinstance(comp, tuple) else comp).device  # (means, vars)
+            weights = self.weights.to(device)  # the members' device
             loglik = self._log_prob_from(weights, comp, y).mean()
             mmc = torch.tensor(math.nan, dtype=torch.float64, device=loglik.device)
             if not self.is_regression:
