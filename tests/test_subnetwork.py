@@ -95,6 +95,22 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize(
+    "strategy, kwargs, unused",
+    [
+        ("magnitude", {"x": torch.randn(4, 3)}, "x"),
+        ("magnitude", {"prior_precision": 100.0}, "prior_precision"),
+        ("last_layer", {"seed": 0}, "seed"),
+        ("diag_laplace", {"likelihood": likelihoods.Categorical(), "x": 1, "seed": 0}, "seed"),
+        ("random", {"names": ["0"]}, "names"),
+    ],
+)
+def test_an_argument_the_strategy_does_not_use_is_named(strategy, kwargs, unused):
+    n = None if strategy == "last_layer" else 3
+    with pytest.raises(ValueError, match=f"^{unused}: strategy '{strategy}' does not use it"):
+        subspaces.subnetwork(make_net(), n, strategy, **kwargs)
+
+
+@pytest.mark.parametrize(
     "lik, out_dim",
     [
         (likelihoods.Categorical(), 3),

@@ -33,6 +33,16 @@ from .last_layer import LastLayerSubspace, find_last_layer, last_layer_indices
 from .pca import SWACollector
 
 STRATEGIES = ("diag_laplace", "swag", "magnitude", "random", "last_layer", "names", "indices")
+#: the keyword arguments each strategy uses; any other one given is a ``ValueError``
+USES = {
+    "diag_laplace": {"likelihood", "x", "prior_precision", "chunk_size"},
+    "swag": {"collector"},
+    "magnitude": set(),
+    "random": {"seed"},
+    "last_layer": set(),
+    "names": {"names"},
+    "indices": {"indices"},
+}
 
 
 def _offsets(net: nn.Module) -> dict[str, tuple[int, int]]:
@@ -64,7 +74,7 @@ def subnetwork(
     *,
     likelihood=None,
     x: torch.Tensor | None = None,
-    prior_precision: float = 1.0,
+    prior_precision: float | None = None,
     collector: SWACollector | None = None,
     names: Sequence[str] | None = None,
     indices: torch.Tensor | Sequence[int] | None = None,
@@ -79,7 +89,8 @@ def subnetwork(
         strategy: one of `STRATEGIES` (see the module docstring).
         likelihood, x: for ``"diag_laplace"``: the `Likelihood` and training inputs
             ``(N, ...)`` whose GGN diagonal is computed (in chunks of ``chunk_size`` rows).
-        prior_precision: ``λ`` of the isotropic Gaussian prior in ``1 / (diag(G) + λ)``.
+        prior_precision: ``λ`` of the isotropic Gaussian prior in ``1 / (diag(G) + λ)``
+            (``"diag_laplace"``; default ``1``).
         collector: for ``"swag"``: a `SWACollector` built on ``net``.
         names: for ``"names"``: parameter or module names.
         indices: for ``"indices"``: flat positions.
@@ -92,6 +103,28 @@ def subnetwork(
     d = flat.num_weights
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}")
+    given = {
+        name
+        for name, value in (
+            ("likelihood", likelihood),
+            ("x", x),
+            ("prior_precision", prior_precision),
+            ("collector", collector),
+            ("names", names),
+            ("indices", indices),
+            ("seed", seed),
+            ("chunk_size", chunk_size),
+        )  # fmt: skip
+        if value is not None
+    }
+    unused = sorted(given - USES[strategy])
+    if unused:  # nothing is accepted and then ignored
+        uses = ", ".join(sorted(USES[strategy])) or "none"
+        raise ValueError(
+            f"{unused[0]}: strategy {strategy!r} does not use it (its keyword arguments: {uses})"
+        )
+    if prior_precision is None:
+        prior_precision = 1.0
     scored = strategy in ("diag_laplace", "swag", "magnitude", "random")
     if scored:
         ck.check_int(n_params, "n_params", 1, d)
