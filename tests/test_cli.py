@@ -129,9 +129,29 @@ def test_nuts_inference_option(tmp_path):
 
 def test_grid_and_tutorial_subcommands_run_the_scripts(monkeypatch):
     ran = []
-    monkeypatch.setattr(tutorial, "run_tutorial", ran.append)
+    monkeypatch.setattr(tutorial, "run_tutorial", lambda *a: ran.append(a))
     assert cli.execute(["grid"]) is None and cli.execute(["tutorial", "03"]) is None
-    assert ran == ["06", "03"]
+    assert cli.execute(["tutorial", "01", "--out", "somewhere", "--tiny"]) is None
+    assert ran == [("06", None, False), ("03", None, False), ("01", "somewhere", True)]
+
+
+def test_a_tutorial_writes_its_pngs_to_out_and_restores_the_environment(monkeypatch, tmp_path):
+    import os
+    import runpy
+
+    seen = {}
+
+    def fake_run(path, run_name):  # what the script would read from its environment
+        seen.update(
+            out=os.environ.get("PYRO_SUBSPACE_OUT"), tiny=os.environ.get("PYRO_SUBSPACE_TINY")
+        )
+
+    monkeypatch.setattr(runpy, "run_path", fake_run)
+    monkeypatch.delenv("PYRO_SUBSPACE_OUT", raising=False)
+    monkeypatch.setenv("PYRO_SUBSPACE_TINY", "0")
+    tutorial.run_tutorial("01", str(tmp_path), tiny=True)
+    assert seen == {"out": str(tmp_path), "tiny": "1"}
+    assert "PYRO_SUBSPACE_OUT" not in os.environ and os.environ["PYRO_SUBSPACE_TINY"] == "0"
 
 
 @pytest.mark.parametrize("subspace", ["subnetwork", "ggn"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.resources
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -29,16 +30,36 @@ def find_tutorial(name: str) -> Path:
     return matches[0]
 
 
-def run_tutorial(name: str) -> None:
+def run_tutorial(name: str, out: str | None = None, tiny: bool = False) -> None:
     """Run a tutorial (e.g. ``pyro-subspace tutorial 01``) from the installed package or a
-    source checkout; its folder is importable meanwhile (tutorials 03-04 import ``benchmarks``)."""
+    source checkout; its folder is importable meanwhile (tutorials 03-04 import ``benchmarks``).
+    ``out`` sets ``$PYRO_SUBSPACE_OUT`` (where its PNGs go) and ``tiny`` sets
+    ``PYRO_SUBSPACE_TINY=1`` (every setting shrunk) for the run; both are restored after."""
     script = find_tutorial(name)
-    print(f"running {script} (PNGs go to $PYRO_SUBSPACE_OUT, default ./out)", flush=True)
+    saved = {key: os.environ.get(key) for key in ("PYRO_SUBSPACE_OUT", "PYRO_SUBSPACE_TINY")}
+    if out is not None:
+        os.environ["PYRO_SUBSPACE_OUT"] = out
+    if tiny:
+        os.environ["PYRO_SUBSPACE_TINY"] = "1"
+    folder = os.environ.get("PYRO_SUBSPACE_OUT", "out")
+    print(f"running {script} (PNGs go to {folder})", flush=True)
     sys.path.insert(0, str(script.parent))
     try:
         runpy.run_path(str(script), run_name="__main__")
     finally:
         sys.path.remove(str(script.parent))
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _script_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default=None, help="folder for the PNGs (default: ./out)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="shrink every setting (a smoke run of seconds)"
+    )
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -49,12 +70,14 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "Run a tutorial script; PYRO_SUBSPACE_TINY=1 shrinks its settings.",
     )
     t.add_argument("name", help="the tutorial's number or name prefix, e.g. 01")
-    t.set_defaults(run=lambda args: run_tutorial(args.name))
+    _script_options(t)
+    t.set_defaults(run=lambda args: run_tutorial(args.name, args.out, args.tiny))
     g = options.command_parser(
         commands,
         "grid",
         "random/PCA/curve subspaces x VI/flow/ESS/NUTS (paper Fig. 3; tutorial 06)",
         "The Subspace Inference grid of subspaces x inference methods (tutorial 06); writes "
-        "out/06_subspace_grid.png.",
+        "06_subspace_grid.png to --out.",
     )
-    g.set_defaults(run=lambda args: run_tutorial(GRID_TUTORIAL))
+    _script_options(g)
+    g.set_defaults(run=lambda args: run_tutorial(GRID_TUTORIAL, args.out, args.tiny))
