@@ -22,10 +22,9 @@ Comparing models with ``T != 1``: on the tempered export ``az.loo``'s importance
 right but the ``elpd`` it reports is ``Σ_n log E_loo[p(y_n | t)^{1/T}]``, not a log predictive
 density, so it is not comparable across temperatures or with untempered models (a measured
 case: ``T = 20`` scored ``−1.6`` against ``−19.8`` for ``T = 1`` while its held-out log
-predictive density was ``−30.5`` against ``−19.2``). The untempered export gives a predictive
-density whose weights (``1/p`` instead of ``1/p^{1/T}``) are only approximate. For such
-comparisons prefer held-out data; a PSIS-LOO with weights from the tempered term and densities
-from the untempered one is not built here.
+predictive density was ``−30.5`` against ``−19.2``); on the untempered export the density is
+right and the weights (``1/p`` instead of ``1/p^{1/T}``) are not. `tempered_loo` uses each
+term for its role and returns ``az.loo``'s result type, which ``az.compare`` takes.
 """
 
 from __future__ import annotations
@@ -41,8 +40,9 @@ import torch
 from pyro import poutine
 from pyro.infer import MCMC
 from pyro.poutine.subsample_messenger import _Subsample
+from scipy.special import logsumexp
 
-from ._checks import check_int, positive_int
+from ._checks import check_int, positive_float, positive_int
 
 
 def to_inference_data(
@@ -182,8 +182,103 @@ def to_inference_data(
     )
     idata = _from_dict(groups)
     if observed:
-        idata["log_likelihood"].attrs["log_likelihood"] = f"{what}, {temps}"
+        attrs = idata["log_likelihood"].attrs
+        attrs["log_likelihood"] = f"{what}, {temps}"
+        attrs["tempered"] = int(log_likelihood == "tempered")
+        if len(set(scales.values())) == 1:  # one temperature: `tempered_loo` reads it
+            attrs["temperature"] = 1 / next(iter(scales.values()))
     return idata
+
+
+def tempered_loo(
+    data: Any,
+    temperature: float | None = None,
+    var_name: str | None = None,
+    reff: float | None = None,
+) -> Any:
+    """PSIS-LOO of a tempered posterior: ``elpd = Σ_n log p(y_n | y_{−n})``, a predictive density
+    comparable across temperatures and with untempered models (``az.compare`` takes the result).
+
+    The draws follow ``p_T(t | y) ∝ p(t) Π_n p(y_n | t)^{1/T}`` (Subspace Inference eq. 3), so
+    leaving ``y_n`` out reweights draw ``s`` by ``r_sn = p(y_n | t_s)^{−1/T}``; ArviZ's PSIS
+    (``az.psislw``) smooths ``log r``, and the leave-one-out predictive density averages the
+    *untempered* ``p(y_n | t_s)`` under those weights:
+    ``elpd_n = log Σ_s w̃_sn p(y_n | t_s)``. ``az.loo`` has one array for both roles, so on
+    either export it is right only at ``T = 1`` (module docstring).
+
+    Args:
+        data: ArviZ data with a posterior and a ``log_likelihood`` group, e.g. from
+            `to_inference_data` (tempered or untempered export; its attributes give ``T``).
+        temperature: ``T``; default the export's attribute ``"temperature"`` (a
+            `to_inference_data` result with one observed site), required otherwise. The
+            ``log_likelihood`` group is then read as untempered unless its attribute
+            ``"tempered"`` is 1.
+        var_name: the observed site; default the group's only variable.
+        reff: relative efficiency of the draws for PSIS; default as ``az.loo``: the mean ESS
+            of the posterior over the number of draws (1 with one chain).
+
+    Returns:
+        ``az.loo``'s ``ELPDData`` with ``pointwise`` entries: ``elpd_loo``, ``se``, ``p_loo``
+        (``lppd − elpd_loo``), ``n_samples``, ``n_data_points``, ``warning`` (a Pareto ``k``
+        above ArviZ's threshold), ``loo_i`` ``(N,)``, ``pareto_k`` ``(N,)``, ``scale="log"``.
+    """
+    psislw = getattr(az, "psislw", None)
+    try:
+        from arviz.stats.stats_utils import ELPDData
+    except ImportError:
+        ELPDData = None
+    if psislw is None or ELPDData is None:  # pragma: no cover - arviz 1.x
+        raise ImportError("tempered_loo: needs arviz 0.x's az.psislw and ELPDData")
+    group = data["log_likelihood"]
+    names = list(group.data_vars)
+    if var_name is None:
+        if len(names) != 1:
+            raise ValueError(f"var_name: the log_likelihood group has {names}; name one")
+        var_name = names[0]
+    if var_name not in names:
+        raise ValueError(f"var_name: {var_name!r} is not in the log_likelihood group {names}")
+    attrs = group.attrs
+    if temperature is None:
+        if "temperature" not in attrs:
+            raise ValueError("temperature: not recorded with the data; pass temperature=T")
+        temperature = float(attrs["temperature"])
+    temperature = positive_float(temperature, "temperature")
+    stacked = group[var_name].stack(__sample__=("chain", "draw"))
+    ll = stacked.values.reshape(-1, stacked.shape[-1]).astype(np.float64)  # (N, S)
+    if int(attrs.get("tempered", 0)):
+        ll = ll * temperature  # back to log p(y_n | t_s)
+    n_points, n_samples = ll.shape
+    if reff is None:
+        posterior = data["posterior"]
+        chains = posterior.sizes["chain"] if "chain" in posterior.sizes else 1
+        reff = 1.0
+        if chains > 1:
+            ess = az.ess(posterior, method="mean")
+            reff = float(np.hstack([ess[v].values.ravel() for v in ess.data_vars]).mean())
+            reff /= n_samples
+    log_w, pareto_k = psislw(-ll / temperature, reff)
+    loo_i = logsumexp(np.asarray(log_w) + ll, axis=-1)
+    lppd = float((logsumexp(ll, axis=-1) - np.log(n_samples)).sum())
+    elpd = float(loo_i.sum())
+    good_k = min(1 - 1 / np.log10(n_samples), 0.7)
+    k = np.asarray(pareto_k)
+    return ELPDData(
+        data=[
+            elpd, float((n_points * loo_i.var()) ** 0.5), lppd - elpd, n_samples, n_points,
+            bool((k > good_k).any()), _data_array(loo_i, "loo_i"),
+            _data_array(k, "pareto_shape"), "log", good_k,
+        ],
+        index=[
+            "elpd_loo", "se", "p_loo", "n_samples", "n_data_points", "warning", "loo_i",
+            "pareto_k", "scale", "good_k",
+        ],
+    )  # fmt: skip
+
+
+def _data_array(values: np.ndarray, name: str) -> Any:
+    import xarray as xr
+
+    return xr.DataArray(values, dims=("observation",), name=name)
 
 
 def _check_samples(
