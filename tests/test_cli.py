@@ -28,6 +28,12 @@ def test_default_run_writes_table_json_and_png(tmp_path, capsys):
         assert 0.0 <= row["coverage95"] <= 1.0 and row["rmse"] > 0
     png = (tmp_path / "toy_pca_ess.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    # the PSIS-LOO density of the training points: recorded, printed, and an estimate of the
+    # out-of-sample density, so near the posterior's test log density (-test NLL)
+    assert saved["loo_elpd_per_point"] == results["loo_elpd_per_point"]
+    assert "PSIS-LOO of the training points" in printed
+    test_density = -results["rows"]["PCA+ESS"]["nll"]
+    assert abs(results["loo_elpd_per_point"] - test_density) < 0.5
 
 
 def test_no_subcommand_is_fit_and_auto_hidden_is_the_papers_toy_net(tmp_path):

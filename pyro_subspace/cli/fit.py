@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import numpy as np
 import pyro
 import torch
 from pyro.infer import HMC, MCMC, NUTS, SVI, Predictive, Trace_ELBO
@@ -19,7 +20,7 @@ from pyro.infer.autoguide import AutoNormal
 from torch import nn
 from tqdm.auto import tqdm
 
-from .. import datasets, likelihoods, metrics, subspaces
+from .. import convert, datasets, likelihoods, metrics, subspaces
 from ..infer import (
     AutoSubspaceLaplace,
     EllipticalSliceSampler,
@@ -231,6 +232,16 @@ def run(args: argparse.Namespace) -> dict:
         train_out = model.outputs(torch.zeros(1, sub.rank), data.x_train)[..., 0]
     train_nll = metrics.regression_scores(train_out, sigma2.expand_as(train_out), data.y_train)
     warnings = defaults.overfit_warnings(train_nll["nll"], rows)
+    loo = {}
+    if glm is None:  # draws of t: PSIS-LOO of the training points under the tempered posterior
+        idata = convert.to_inference_data(
+            samples={"t": t}, model=model, args=(data.x_train, data.y_train), seed=args.seed
+        )
+        elpd = convert.tempered_loo(idata, reff=1.0)
+        loo = {
+            "loo_elpd_per_point": float(elpd["elpd_loo"]) / data.n_train,
+            "loo_pareto_k_max": float(np.max(np.asarray(elpd.pareto_k))),
+        }
     results = {
         "dataset": data.name,
         "subspace": args.subspace,
@@ -242,6 +253,7 @@ def run(args: argparse.Namespace) -> dict:
         "inference_seconds": t_infer,
         "epochs": args.epochs,
         "rows": rows,
+        **loo,
         "warnings": warnings,
     }
 

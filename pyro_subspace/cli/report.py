@@ -40,6 +40,12 @@ def regression_table(results: dict) -> str:
             f"{name:<20}{r['nll']:>10.3f}{r['nll_moment_matched']:>10.3f}"
             f"{r['rmse']:>8.3f}{r['coverage95']:>9.3f}"
         )
+    if "loo_elpd_per_point" in results:
+        lines.append(
+            f"PSIS-LOO of the training points (convert.tempered_loo): elpd/N = "
+            f"{results['loo_elpd_per_point']:.3f}, largest Pareto k = "
+            f"{results['loo_pareto_k_max']:.2f} (above 0.7: unreliable)"
+        )
     lines.append(
         "test NLL: mean negative log predictive density of the test points under the posterior\n"
         "mixture (lower is better); NLL (MM): the same under one Gaussian with the mixture's mean\n"
