@@ -153,3 +153,23 @@ def test_predict_and_tuning_take_laplace_torch_names():
     torch.testing.assert_close(other.grid_scores, scores, rtol=1e-12, atol=0)
     with pytest.raises(TypeError, match="x: is float32"):  # named before any work
         other.optimize_prior_precision("grid", x_val=xv.float(), y_val=yv, grid=grid)
+
+
+def test_a_selected_subnetwork_gets_the_papers_rescaled_prior():
+    # Subnetwork Inference, section 4 / appendix C: the K selected weights get λ_S = λ·K/D
+    net, x, y = classifier()
+    lik, d, k = likelihoods.Categorical(), 45, 8
+    la = Laplace(net, lik, "subnetwork", prior_precision=3.0, n_params=k, strategy="magnitude")
+    la.fit(x, y)
+    indices = la.model.subspace.basis.cpu()
+    assert float(la.prior_precision) == pytest.approx(3.0 * k / d, rel=1e-12)
+    expected = brute_force_covariance(net, x, indices, 3.0 * k / d)
+    torch.testing.assert_close(la.posterior_covariance, expected, rtol=1e-9, atol=1e-12)
+    plain = Laplace(net, lik, "subnetwork", prior_precision=3.0, n_params=k, rescale_prior=False)
+    expected = brute_force_covariance(net, x, indices, 3.0)
+    torch.testing.assert_close(
+        plain.fit(x, y).posterior_covariance, expected, rtol=1e-9, atol=1e-12
+    )
+    # flat indices (laplace-torch's subnetwork_indices) keep λ as given
+    by_index = Laplace(net, lik, indices, prior_precision=3.0)
+    assert float(by_index.prior_precision) == 3.0

@@ -19,8 +19,11 @@ weights"). With one network this is the last-layer Laplace approximation (`LastL
 
 Mixture weights are uniform (what the paper uses in all experiments) or, as the experiment the
 paper describes in B.2 / E.1, proportional to each member's Laplace evidence
-``p(D | M_k)`` (``weights="evidence"``); the paper reports that these weights degenerate to
-(almost) one member, as the evidences of independently trained networks differ by many nats.
+``p(D | M_k)`` (``weights="evidence"``: the softmax of the members' log-evidences). The paper
+argues that members differing only in their initialisation are the same model, so these weights
+should be uniform, and reports that the evidences "only vary minimally" (B.2); with this
+library's evidences the softmax can still be far from uniform when the log-evidences differ by a
+few nats, which is why uniform is the default.
 """
 
 from __future__ import annotations

@@ -26,7 +26,9 @@ class Gaussian(Likelihood):
             value. Our choice, so that elliptical slice sampling keeps a purely Gaussian prior
             over ``t``.
         heteroscedastic: the network outputs two columns per point, the mean and a raw scale;
-            the noise scale is ``softplus(raw) + min_scale`` (the paper's UCI nets, appendix G.1).
+            the noise scale is ``softplus(raw) + min_scale``. Subspace Inference's UCI nets
+            (appendix G.1.1) use the variance ``s² + softplus(raw)`` with a learned global
+            ``s²`` instead; that form is not implemented.
             ``sigma`` must then be ``None``.
         sigma_init: initial value of a learned ``sigma``.
         min_scale: floor added to the heteroscedastic scale, for numerical safety.

@@ -52,6 +52,7 @@ def Laplace(
     strategy: str = "magnitude",
     chunk_size: int = 1024,
     rank: int | None = None,
+    rescale_prior: bool | None = None,
     **strategy_kwargs: object,
 ) -> NetLaplace:
     """A linearised Laplace approximation of ``net`` at its current weights (the MAP).
@@ -79,6 +80,11 @@ def Laplace(
         rank: ``k`` of ``"lowrank"``, ``1 <= k <= K`` (default ``min(K, 10)``); an error with
             another structure.
         prior_precision: ``λ`` of the weight prior ``N(0, λ⁻¹ I)``.
+        rescale_prior: give the ``K`` weights the precision ``λ_S = λ·K/D`` (Subnetwork
+            Inference, section 4 after eq. 15 and appendix C: the prior of a ``K``-weight
+            subnetwork); default ``True`` for ``"subnetwork"`` (the paper's method) and
+            ``False`` otherwise (laplace-torch's convention, also for flat indices). A later
+            ``optimize_prior_precision`` tunes the precision in use.
         temperature: ``T`` of the likelihood.
 
     Returns:
@@ -134,6 +140,11 @@ def Laplace(
         net, sub, likelihood, prior_scale=1.0,
         temperature=check_temperature(temperature), prior_mean="zero",
     )  # fmt: skip
+    if rescale_prior is None:
+        rescale_prior = isinstance(subset_of_weights, str) and subset_of_weights == "subnetwork"
+    ck.choice(rescale_prior, "rescale_prior", (True, False))
+    if rescale_prior:  # λ_S = λ·K/D
+        prior_precision = prior_precision * sub.rank / sub.dim
     model.set_prior_precision(prior_precision)
     return NetLaplace(model, hessian_structure=hessian_structure, chunk_size=chunk_size, rank=rank)
 

@@ -54,7 +54,8 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         model: the `SubspaceNet`.
         prior_precision: ``λ > 0`` (float or ``(K,)``); ``None`` keeps the model's.
         prior_mean: ``"shift"`` or ``"zero"``; ``None`` keeps the model's.
-        rescale_prior: use ``λ_S = λ·K/D`` (Subnetwork Inference, section 6.1).
+        rescale_prior: use ``λ_S = λ·K/D`` (Subnetwork Inference, section 4 after eq. 15
+            and appendix C).
         hessian_structure: ``"full"``, ``"diag"`` or ``"lowrank"`` (`structures`).
         chunk_size: rows of data per Jacobian block.
         rank: ``k`` of ``"lowrank"`` (top-``k`` GGN eigenpairs plus the prior as an isotropic
