@@ -43,6 +43,13 @@ class TestGaussianHeteroscedastic(BaseLikelihoodTestCase):
         return m, c
 
 
+class TestGaussianHeteroscedasticGlobalVariance(TestGaussianHeteroscedastic):
+    """Subspace Inference G.1.1: ``σ²(x) = s² + softplus(raw)`` with a learned ``s²``."""
+
+    def create_likelihood(self):
+        return likelihoods.Gaussian(heteroscedastic=True, global_variance=True, sigma_init=0.8)
+
+
 class TestCategorical(BaseLikelihoodTestCase):
     num_outputs = 3
 

@@ -181,3 +181,21 @@ def test_gaussian_log_prob_prepared_equals_torchs_normal():
         want = Normal(out.squeeze(-1), lik.sigma.to(dtype)).log_prob(y)  # its float32 σ
         assert torch.equal(lik.log_prob(out, y), want)
         assert torch.equal(lik.log_prob_prepared(out[0], y), want[0])
+
+
+def test_heteroscedastic_global_variance_is_the_papers_uci_form_and_is_learned():
+    # Subspace Inference G.1.1: σ²(x) = s² + softplus(raw), s² learned (initialised at 1)
+    from pyro_subspace import fit_map
+
+    lik = likelihoods.Gaussian(heteroscedastic=True, global_variance=True)
+    out = torch.tensor([[0.3, -3.0], [1.0, 0.0], [-2.0, 2.0]])
+    softplus = torch.log1p(torch.exp(out[:, 1]))
+    assert torch.allclose(lik.variance(out), 1.0 + softplus)
+    torch.manual_seed(0)
+    x = torch.randn(200, 1)
+    y = x[:, 0] + 0.05 * torch.randn(200)  # noise far below the initial s = 1
+    net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 2))
+    fit_map(net, lik, x, y, epochs=300, lr=1e-2, progress=False)
+    assert float(lik.s2.detach()) < 0.1
+    with pytest.raises(ValueError, match="global_variance: only with heteroscedastic=True"):
+        likelihoods.Gaussian(global_variance=True)

@@ -26,9 +26,11 @@ class Gaussian(Likelihood):
             value. Our choice, so that elliptical slice sampling keeps a purely Gaussian prior
             over ``t``.
         heteroscedastic: the network outputs two columns per point, the mean and a raw scale;
-            the noise scale is ``softplus(raw) + min_scale``. Subspace Inference's UCI nets
-            (appendix G.1.1) use the variance ``s² + softplus(raw)`` with a learned global
-            ``s²`` instead; that form is not implemented.
+            the noise scale is ``softplus(raw) + min_scale``.
+        global_variance: with ``heteroscedastic``: Subspace Inference's UCI form (appendix
+            G.1.1), the variance ``σ²(x) = s² + softplus(raw)`` with a learned global ``s²``
+            (a ``PyroParam``, initialised at ``sigma_init²``; the paper's ``s² = 1``), trained
+            like ``σ`` by `fit_map` and ``SVI``; ``min_scale`` is then unused.
             ``sigma`` must then be ``None``.
         sigma_init: initial value of a learned ``sigma``.
         min_scale: floor added to the heteroscedastic scale, for numerical safety.
@@ -43,12 +45,17 @@ class Gaussian(Likelihood):
         heteroscedastic: bool = False,
         sigma_init: float = 1.0,
         min_scale: float = 1e-3,
+        global_variance: bool = False,
     ) -> None:
         super().__init__()
         positive_float(min_scale, "min_scale", allow_zero=True)
         positive_float(sigma_init, "sigma_init")
         choice(heteroscedastic, "heteroscedastic", (True, False))
+        choice(global_variance, "global_variance", (True, False))
+        if global_variance and not heteroscedastic:
+            raise ValueError("global_variance: only with heteroscedastic=True")
         self.heteroscedastic = bool(heteroscedastic)
+        self.global_variance = bool(global_variance)
         self.min_scale = float(min_scale)
         self.learn_sigma = sigma is None and not self.heteroscedastic
         if self.heteroscedastic:
@@ -57,6 +64,9 @@ class Gaussian(Likelihood):
                     "sigma: must be None when heteroscedastic=True (the net outputs the scale)"
                 )
             self.num_outputs = 2
+            if self.global_variance:
+                init = torch.tensor(float(sigma_init) ** 2)
+                self.s2 = PyroParam(init, constraint=constraints.positive)
         elif sigma is None:
             if not (isinstance(sigma_init, (int, float)) and sigma_init > 0):
                 raise ValueError(f"sigma_init: expected a positive number, got {sigma_init!r}")
@@ -91,6 +101,8 @@ class Gaussian(Likelihood):
 
     def loc_scale(self, outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and standard deviation of ``y``, each ``(..., N)`` (or ``(..., N, O)``)."""
+        if self.global_variance:  # σ²(x) = s² + softplus(raw)
+            return outputs[..., 0], (self.s2.to(outputs) + F.softplus(outputs[..., 1])).sqrt()
         if self.heteroscedastic:
             return outputs[..., 0], F.softplus(outputs[..., 1]) + self.min_scale
         loc = outputs.squeeze(-1) if outputs.shape[-1] == 1 else outputs
@@ -137,12 +149,16 @@ class Gaussian(Likelihood):
         ``s = softplus(r) + min_scale``): the true Hessian in ``r`` depends on ``y`` and can be
         negative, so we use the Fisher ``E_y[∇ log p ∇ log pᵀ]``, positive semi-definite. With
         ``z = (y − μ)/s ~ N(0, 1)`` the score is ``(z/s, (z² − 1) s'/s)``, ``s' = sigmoid(r)``;
-        ``E[z²] = 1``, ``E[z³] = 0``, ``E[(z² − 1)²] = 2`` give ``diag(1/s², 2 s'²/s²)``."""
+        ``E[z²] = 1``, ``E[z³] = 0``, ``E[(z² − 1)²] = 2`` give ``diag(1/s², 2 s'²/s²)``. With
+        ``global_variance`` (``v = s² + softplus(r)``) the score in ``r`` is
+        ``(z² − 1) v'/(2v)``, ``v' = sigmoid(r)``: ``diag(1/v, v'²/(2v²))``."""
         scale = self.loc_scale(out)[1].detach()
         if not self.heteroscedastic:
             return scale.reshape(out.shape).square().reciprocal()
         ds = out[:, 1].sigmoid()  # d softplus(raw) / d raw
-        return torch.stack([scale.square().reciprocal(), 2 * ds.square() / scale.square()], -1)
+        var = scale.square()
+        raw = ds.square() / (2 * var.square()) if self.global_variance else 2 * ds.square() / var
+        return torch.stack([var.reciprocal(), raw], -1)
 
     def _predictive(self, f_mean, f_cov, link_approx, num_samples, generator, include_noise):
         """``N(m, C_oo + σ²)`` per output (closed form); a heteroscedastic net's mean column with
