@@ -83,6 +83,13 @@ def compute(x, y, loader):
     )  # fmt: skip
     mcmc.run(x, y)
     out["ess_chain"] = mcmc.get_samples()["t"]
+    from pyro_subspace.infer import GeneralizedEllipticalSliceSampler
+
+    for name, data in (("gess_chain", (x, y)), ("gess_loader_chain", (loader,))):
+        kernel = GeneralizedEllipticalSliceSampler(model, reference="prior", seed=0, chunk_size=16)
+        mcmc = MCMC(kernel, num_samples=60, warmup_steps=20, disable_progbar=True)
+        mcmc.run(*data)  # the sharded likelihood is all-reduced: the full-data chain
+        out[name] = mcmc.get_samples()["t"]
     return out
 
 
@@ -157,7 +164,7 @@ def test_two_ranks_equal_one_process(tmp_path):
     print(f"rank 0 took {float(got.pop('seconds')):.1f} s")
     assert set(got) == set(want)
     for key, value in want.items():
-        if key == "ess_chain":
+        if key.endswith("_chain"):
             assert torch.equal(got[key], value), key
             continue
         err = (got[key] - value).abs().max() / value.abs().max().clamp_min(1e-300)
@@ -165,6 +172,7 @@ def test_two_ranks_equal_one_process(tmp_path):
     # the tensor and the DataLoader paths agree too
     for key in ("loglik", "grad", "ptgp", "ptgp_diag", "stats"):
         torch.testing.assert_close(want[f"tensor_{key}"], want[f"loader_{key}"], rtol=TOL, atol=0)
+    torch.testing.assert_close(want["gess_chain"], want["gess_loader_chain"], rtol=1e-10, atol=0)
 
 
 def test_shard_and_padding_checks():

@@ -266,17 +266,17 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
         prior = model.prior()
         y = args[1] if len(args) > 1 else kwargs.get("y")
         x = args[0] if args else kwargs.get("x")
-        if y is None:
+        if y is None and (x is None or isinstance(x, torch.Tensor)):  # no targets: the prior
             return prior, lambda t: t.new_zeros(t.shape[0], dtype=torch.float64)
-        ev = model.evaluator(x, y, self.chunk_size)
+        ev = model.evaluator(x, y, self.chunk_size)  # a Dataset / DataLoader brings its targets
         lik, temperature = model.likelihood, ev.temperature
 
         def loglik(t: torch.Tensor) -> torch.Tensor:
-            total = 0.0
+            total = torch.zeros(t.shape[0], dtype=torch.float64, device=t.device)
             with torch.no_grad():
                 for xc, yc in ev.chunks():
                     total = total + lik.log_prob_prepared(model.outputs(t, xc), yc).double().sum(-1)
-            return total / temperature
+            return ev.data.reduce(total) / temperature  # all ranks' shards: the full data
 
         return prior, loglik
 
