@@ -115,8 +115,9 @@ def as_tensors(
 
 
 def _loader_rows(loader: DataLoader) -> int:
-    """Rows a ``DataLoader`` yields per pass: its ``DistributedSampler``'s share, else the data
-    set's length."""
+    """Rows a ``DataLoader`` yields per pass: what its sampler draws (a ``DistributedSampler``'s
+    share, a subset sampler's indices), less a ``drop_last`` remainder; a custom batch sampler's
+    batches are counted (indices only, no data loaded; torch's generator untouched)."""
     sampler = loader.sampler
     if isinstance(sampler, DistributedSampler):
         n = len(loader.dataset)  # type: ignore[arg-type]
@@ -126,5 +127,10 @@ def _loader_rows(loader: DataLoader) -> int:
                 "some, which would count them twice; use drop_last=True, a data set size "
                 "divisible by the number of ranks, or pyro_subspace.distributed.shard"
             )
-        return len(sampler)
-    return len(loader.dataset)  # type: ignore[arg-type]
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        return len(loader.dataset)  # type: ignore[arg-type]
+    if loader.batch_size is None:  # a batch_sampler of the user's
+        with torch.random.fork_rng(devices=[]):
+            return sum(len(batch) for batch in loader.batch_sampler)
+    rows = len(sampler)  # type: ignore[arg-type]
+    return rows - rows % loader.batch_size if loader.drop_last else rows

@@ -156,3 +156,24 @@ def test_iterable_streams_without_a_length():
     model = PatchedNet(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double(), lik)
     with pytest.raises(ValueError, match="^x: PatchedNet.fit needs the number of training"):
         model.fit(DataLoader(Stream(x, y), batch_size=8), epochs=1)
+
+
+def test_num_data_counts_the_rows_a_loader_yields():
+    # N is what an iteration yields (counted here by iterating), not len(dataset): a dropped
+    # last batch, a subset sampler and a batch sampler of the user's each change it
+    from torch.utils.data import BatchSampler, SequentialSampler, SubsetRandomSampler
+
+    from pyro_subspace.data import DataSource
+
+    data = TensorDataset(torch.randn(40, 2), torch.randn(40))
+    loaders = [
+        DataLoader(data, batch_size=13, drop_last=True),
+        DataLoader(data, batch_size=6, sampler=SubsetRandomSampler(range(20))),
+        DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(range(33)), 7, False)),
+        DataLoader(data, batch_size=9),
+    ]
+    for loader in loaders:
+        state = torch.get_rng_state()
+        n = DataSource(loader).num_data
+        assert torch.equal(torch.get_rng_state(), state)  # counting draws nothing
+        assert n == sum(len(b[0]) for b in loader)
