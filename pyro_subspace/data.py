@@ -114,6 +114,22 @@ def as_tensors(
     return torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
 
 
+def check_batchnorm_loader(net: torch.nn.Module, loader: object) -> None:
+    """A ``ValueError`` naming ``x`` when ``net`` has BatchNorm and the ``DataLoader`` ends in a
+    batch of one row (BatchNorm in training mode cannot use it), before any training."""
+    if not isinstance(loader, DataLoader) or loader.batch_size is None or loader.drop_last:
+        return
+    if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in net.modules()):
+        return
+    rows = _loader_rows(loader)
+    if rows > 1 and rows % loader.batch_size == 1:
+        raise ValueError(
+            f"x: the DataLoader's last batch has one row ({rows} rows in batches of "
+            f"{loader.batch_size}), which BatchNorm cannot train on; use drop_last=True or "
+            "another batch_size"
+        )
+
+
 def _loader_rows(loader: DataLoader) -> int:
     """Rows a ``DataLoader`` yields per pass: what its sampler draws (a ``DistributedSampler``'s
     share, a subset sampler's indices), less a ``drop_last`` remainder; a custom batch sampler's

@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import _checks as ck
 from . import distributed
+from .data import check_batchnorm_loader
 from .exceptions import TrainingDivergedError
 from .flat import Preserved, eval_mode, preserved, train_mode
 from .likelihoods import Likelihood
@@ -153,15 +154,20 @@ def fit_map(
         if in_swa:
             collector.collect()
 
+    # BatchNorm in training mode needs two rows: a last minibatch of one is skipped
+    batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
+    check_batchnorm_loader(net, x)
     if streamed:  # memory bounded by the batch
+        size = batch_size or len(x)
         loader = (
             x
             if isinstance(x, DataLoader)
             else DataLoader(
                 x,
-                batch_size=batch_size or len(x),
+                batch_size=size,
                 shuffle=True,
                 generator=gen,  # type: ignore[arg-type]
+                drop_last=batchnorm and len(x) % size == 1 and len(x) > 1,
             )
         )
 
@@ -171,6 +177,7 @@ def fit_map(
             )
     else:
         loop = dict(batch_size=batch_size, generator=gen, device=x.device, progress=progress)
+        loop["min_batch_size"] = 2 if batchnorm else 1
 
         def phase(epochs: int, opt: torch.optim.Optimizer, desc: str) -> list[float]:
             return minibatch_loop(

@@ -138,3 +138,19 @@ def test_swa_phase_after_zero_map_epochs_collects_every_epoch():
     fit_map(net, likelihoods.Gaussian(0.5), x, y, epochs=0, collector=col, swa_epochs=3,
             swa_lr=1e-2, seed=0, progress=False)  # fmt: skip
     assert col.n_collected == 3 and col.num_snapshots == 3
+
+
+def test_batchnorm_skips_a_last_minibatch_of_one_row_and_names_a_loader_that_ends_in_one():
+    # N = 40 in batches of 13: 13, 13, 13 and 1; BatchNorm cannot train on the single row, so
+    # each epoch takes three steps (num_batches_tracked counts the training forwards)
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 3), torch.randn(40)
+    for data in ((x, y), (TensorDataset(x, y), None)):
+        net = nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+        fit_map(net, likelihoods.Gaussian(0.5), *data, epochs=2, batch_size=13, progress=False)
+        assert int(net[1].num_batches_tracked) == 2 * 3
+    loader = DataLoader(TensorDataset(x, y), batch_size=13)
+    with pytest.raises(ValueError, match="x: the DataLoader's last batch has one row"):
+        fit_map(net, likelihoods.Gaussian(0.5), loader, epochs=1, progress=False)

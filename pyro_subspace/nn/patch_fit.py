@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .. import _checks, distributed
+from ..data import check_batchnorm_loader
 from ..flat import preserved, train_mode
 from ..minibatch import loader_loop, minibatch_loop, shuffle_generator
 from . import patch_svi
@@ -43,6 +44,7 @@ def fit(model, x, y, epochs: int, lr: float, batch_size: int, method: str, seed:
             probe = model.sample_outputs(first, 1)[0]
     if not streamed:
         y = model.likelihood.validate(probe.new_zeros(local_n, *probe.shape[1:]), y)
+    check_batchnorm_loader(model.net, x)
     if method == "svi":  # SVI(fused_model, fused_guide, Adam, Trace_ELBO()): patch_svi
         step = patch_svi.svi_step(model, n, lr, probe if streamed and first is not None else None)
         optimizer = None
