@@ -158,18 +158,17 @@ def fit_map(
     batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
     check_batchnorm_loader(net, x)
     if streamed:  # memory bounded by the batch
-        size = batch_size or len(x)
-        loader = (
-            x
-            if isinstance(x, DataLoader)
-            else DataLoader(
+        if isinstance(x, DataLoader):
+            loader = x
+        else:
+            size = batch_size or len(x)
+            loader = DataLoader(
                 x,
                 batch_size=size,
                 shuffle=True,
                 generator=gen,  # type: ignore[arg-type]
-                drop_last=batchnorm and len(x) % size == 1 and len(x) > 1,
+                drop_last=batchnorm and hasattr(x, "__len__") and len(x) % size == 1 and len(x) > 1,
             )
-        )
 
         def phase(epochs: int, opt: torch.optim.Optimizer, desc: str) -> list[float]:
             return loader_loop(
