@@ -24,6 +24,7 @@ networks on many cores.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 from collections.abc import Callable, Iterator
@@ -39,6 +40,11 @@ ENV_VAR = "PYRO_SUBSPACE_NUM_THREADS"
 FEW_CORES = 4
 
 _setting: int | str | None = None  # None: not set, read the environment
+#: the value of the innermost ``with num_threads(value)`` block, which library calls inside it
+#: follow (over the process-wide policy)
+_block: contextvars.ContextVar[int | str | None] = contextvars.ContextVar(
+    "pyro_subspace_threads_block", default=None
+)
 F = TypeVar("F", bound=Callable)
 
 
@@ -86,7 +92,8 @@ def num_threads(value: int | str | None = None) -> Iterator[int]:
     """Run the block with torch's intra-op thread count set by the policy, restored on exit.
 
     Args:
-        value: as in `set_num_threads` for this block only; ``None``: the process-wide policy.
+        value: as in `set_num_threads` for this block only, including the library's calls
+            inside it; ``None``: the enclosing block's value, else the process-wide policy.
 
     Yields:
         ``torch.get_num_threads()`` inside the block.
@@ -96,14 +103,21 @@ def num_threads(value: int | str | None = None) -> Iterator[int]:
         ...     torch.get_num_threads()
         1
     """
+    block = _block.get()
+    if value is not None:
+        value = _check_setting(value, "value")
+    elif block is not None:  # inside `with num_threads(v)`: the library's calls use v too
+        value = block
     n = resolve_num_threads() if value is None else _resolve_one(value)
     before = torch.get_num_threads()
     changed = n is not None and n != before
     if changed:
         torch.set_num_threads(n)
+    token = _block.set(value if value is not None else block)
     try:
         yield torch.get_num_threads()
     finally:
+        _block.reset(token)
         if changed:
             torch.set_num_threads(before)
 

@@ -74,6 +74,29 @@ def test_fit_map_runs_with_the_policy_and_restores(monkeypatch):
     assert set(net.seen) == {2}
 
 
+def test_a_num_threads_block_reaches_the_library_calls_inside_it(monkeypatch):
+    # the process-wide policy says one thread (auto on 2 cores); `with num_threads(3)` and
+    # `with num_threads("torch")` override it for the calls inside, and nest
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
+    net = Recorder()
+    x, y = torch.randn(8, 3), torch.randn(8)
+    calls = []
+
+    def fit():
+        net.seen.clear()
+        pyro_subspace.fit_map(net, likelihoods.Gaussian(1.0), x, y, epochs=1, progress=False)
+        calls.append(set(net.seen))
+
+    with threads.num_threads(3):
+        fit()
+        with threads.num_threads("torch"):
+            fit()
+        fit()
+    fit()
+    assert calls == [{3}, {3}, {3}, {1}]  # the "torch" block left the enclosing block's 3
+    assert torch.get_num_threads() == 2
+
+
 def test_cli_restores_threads(monkeypatch):
     """The command line runs under the policy and gives the caller its setting back."""
     import argparse
