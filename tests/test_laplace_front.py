@@ -173,3 +173,11 @@ def test_a_selected_subnetwork_gets_the_papers_rescaled_prior():
     # flat indices (laplace-torch's subnetwork_indices) keep λ as given
     by_index = Laplace(net, lik, indices, prior_precision=3.0)
     assert float(by_index.prior_precision) == 3.0
+
+
+def test_predict_takes_a_dataset_or_dataloader_of_the_inputs():
+    net, x, y = classifier()
+    la = Laplace(net, likelihoods.Categorical(), "last_layer").fit(x, y)
+    want = la.predict(x, link_approx="probit").probs
+    for data in (TensorDataset(x, y), DataLoader(TensorDataset(x, y), batch_size=7)):
+        assert torch.equal(la.predict(data, link_approx="probit").probs, want)

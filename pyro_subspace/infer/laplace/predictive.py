@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ... import _checks as ck
+from ...data import DataSource
 from ...flat import FlatNet
 
 if TYPE_CHECKING:  # the guide imports this module (its `predict`)
@@ -39,7 +40,8 @@ def linearized_moments(
 
     Args:
         guide: a fitted `AutoSubspaceLaplace` (any structure and subspace kind).
-        x: inputs ``(N, ...)``.
+        x: inputs ``(N, ...)``, or a ``Dataset``/``DataLoader`` of ``(x, y)`` (its inputs in its
+            order; the targets are not used).
         covariance: ``Σ`` (in the guide's structure) to use instead of the guide's.
         chunk_size: rows per Jacobian block (default the guide's).
         diagonal: a last-layer subspace may fill only the variances ``C_oo`` (all that the
@@ -51,6 +53,8 @@ def linearized_moments(
     """
     _check_guide(guide)
     guide.model.check_data(x)
+    if not isinstance(x, torch.Tensor):  # a Dataset / DataLoader: its inputs, in its order
+        x = torch.cat(list(DataSource(x).inputs()))
     ck.positive_int(chunk_size, "chunk_size", allow_none=True)
     model, s = guide.model, guide.structure
     sigma = guide.covariance if covariance is None else covariance
@@ -94,7 +98,7 @@ def linearized_predictive(
 
     Args:
         guide: a fitted `AutoSubspaceLaplace`.
-        x: inputs ``(N, ...)``.
+        x: inputs ``(N, ...)``, or a ``Dataset``/``DataLoader`` (its inputs, `linearized_moments`).
         link_approx: ``"auto"``, ``"closed_form"`` (regression), ``"probit"`` (the
             classification default, MoLA eq. 6) or ``"mc"``.
         num_samples: Monte Carlo draws of the outputs per input (``"mc"``).
