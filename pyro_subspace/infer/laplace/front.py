@@ -99,10 +99,13 @@ def Laplace(
     prior_precision = _check_lambda(prior_precision)
     check_temperature(temperature)
     check_structure(hessian_structure, rank), ck.positive_int(chunk_size, "chunk_size")
+    selected = isinstance(subset_of_weights, str) and subset_of_weights == "subnetwork"
+    if rescale_prior is not None:
+        ck.choice(rescale_prior, "rescale_prior", (True, False))
     for name in strategy_kwargs:  # nothing is accepted and then ignored
         if name in _LT_KEYWORDS:
             raise TypeError(f"{name}: not an argument of Laplace here: {_LT_KEYWORDS[name]}")
-        if subset_of_weights != "subnetwork" or name not in SELECTION_KEYWORDS:
+        if not selected or name not in SELECTION_KEYWORDS:
             raise TypeError(
                 f"{name}: unexpected keyword; besides its own arguments Laplace takes only "
                 f"subspaces.subnetwork's {SELECTION_KEYWORDS}, with subset_of_weights='subnetwork'"
@@ -140,10 +143,7 @@ def Laplace(
         net, sub, likelihood, prior_scale=1.0,
         temperature=check_temperature(temperature), prior_mean="zero",
     )  # fmt: skip
-    if rescale_prior is None:
-        rescale_prior = isinstance(subset_of_weights, str) and subset_of_weights == "subnetwork"
-    ck.choice(rescale_prior, "rescale_prior", (True, False))
-    if rescale_prior:  # λ_S = λ·K/D
+    if selected if rescale_prior is None else rescale_prior:  # λ_S = λ·K/D
         prior_precision = prior_precision * sub.rank / sub.dim
     model.set_prior_precision(prior_precision)
     return NetLaplace(model, hessian_structure=hessian_structure, chunk_size=chunk_size, rank=rank)
