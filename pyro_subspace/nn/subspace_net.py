@@ -39,7 +39,7 @@ def release_stale_params(root: PyroModule) -> list[str]:
     this session. Inside ``MCMC``, ``SVI`` or ``Predictive`` Pyro would load that value into
     ``root`` (the store wins), so a likelihood ``fit_map`` just trained would be silently
     replaced. Warns naming them; returns the names dropped."""
-    store, stale = pyro.get_param_store(), []
+    store, stale, names = pyro.get_param_store(), [], []
     for prefix, module in root.named_modules():
         for name in getattr(module, "_pyro_params", {}) if isinstance(module, PyroModule) else ():
             full = f"{prefix}.{name}" if prefix else name  # Pyro's name under a root named ""
@@ -48,6 +48,7 @@ def release_stale_params(root: PyroModule) -> list[str]:
             mine, theirs = getattr(module, name).detach(), store[full].detach()
             if theirs.shape != mine.shape or not torch.equal(theirs.to(mine), mine):
                 stale.append(f"{full!r} = {_short(theirs)} (this model: {_short(mine)})")
+                names.append(full)
                 del store[full]
     if stale:
         warnings.warn(
@@ -57,7 +58,7 @@ def release_stale_params(root: PyroModule) -> list[str]:
             UserWarning,
             stacklevel=3,
         )
-    return [s.split(" = ")[0].strip("'") for s in stale]
+    return names
 
 
 def _short(value: torch.Tensor) -> str:
