@@ -181,3 +181,19 @@ def test_predict_takes_a_dataset_or_dataloader_of_the_inputs():
     want = la.predict(x, link_approx="probit").probs
     for data in (TensorDataset(x, y), DataLoader(TensorDataset(x, y), batch_size=7)):
         assert torch.equal(la.predict(data, link_approx="probit").probs, want)
+
+
+def test_sample_draws_all_weights_with_the_subset_from_the_posterior():
+    net, x, y = classifier()
+    la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=LAM).fit(x, y)
+    gen = torch.Generator().manual_seed(0)
+    draws = la.sample(20000, generator=gen)  # (S, D)
+    w = torch.nn.utils.parameters_to_vector(net.parameters()).detach()
+    assert draws.shape == (20000, 45) and torch.equal(draws[:, :24], w[:24].expand(20000, 24))
+    last = draws[:, 24:] - w[24:]
+    cov = la.posterior_covariance
+    # sample covariance within Monte Carlo error: sd of an entry is about sqrt(2/S) of scale
+    err = (last.T @ last / 20000 - cov).abs().max() / cov.diagonal().max()
+    assert err < 5 * (2 / 20000) ** 0.5
+    again = la.sample(20000, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(again, draws)

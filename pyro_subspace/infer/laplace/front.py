@@ -156,7 +156,7 @@ class NetLaplace(AutoSubspaceLaplace):
       (``fit(x, y, find_map=True)`` searches the MAP of the posterior with this prior in the
       subset instead: it moves ``t*`` away from ``0`` when the net was not trained with weight
       decay ``λ/N``);
-    - ``predict(x, pred_type="glm", link_approx=..., n_samples=...)``,
+    - ``predict(x, pred_type="glm", link_approx=..., n_samples=...)``, ``sample(n, generator)``,
       ``optimize_prior_precision(method="gridsearch", val_loader=...)``, a settable
       ``prior_precision``, and ``posterior_precision``, ``posterior_covariance``,
       ``posterior_variance``, ``n_params``: laplace-torch's names;
@@ -220,6 +220,17 @@ class NetLaplace(AutoSubspaceLaplace):
     @prior_precision.setter
     def prior_precision(self, value: float | torch.Tensor) -> None:
         self.set_prior_precision(value)
+
+    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None):
+        """laplace-torch's ``sample``: draws of all ``D`` weights ``(S, D)``, the subset drawn
+        from ``N(ŵ_S, Σ)`` and the rest at the MAP (`AutoSubspaceLaplace.sample_weights`);
+        ``generator`` seeds them (``None``: torch's global generator)."""
+        seed = None
+        if generator is not None:
+            if not isinstance(generator, torch.Generator):
+                raise TypeError(f"generator: expected a torch.Generator, got {generator!r}")
+            seed = int(torch.randint(2**62, (), generator=generator))
+        return self.sample_weights(n_samples, seed=seed)
 
     @property
     def n_params(self) -> int:
