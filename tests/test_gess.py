@@ -286,3 +286,23 @@ def test_the_internal_laplace_reference_fit_does_not_warn_about_its_loose_map(mo
         run(kern, x, y, samples=5, warmup=2, chains=1)
     kinds = [w.category for w in caught]
     assert ConvergenceWarning not in kinds and UserWarning in kinds
+
+
+def test_a_lowrank_guide_is_a_reference_with_its_dense_covariance():
+    # the lowrank structure keeps packed buffers; with k = K its Σ is the full structure's
+    from pyro_subspace.infer.gaussian_prior import gaussian_moments
+
+    model, x, y = subspace_model(temperature=1.0)
+    full = AutoSubspaceLaplace(model).fit(x, y)
+    low = AutoSubspaceLaplace(model, hessian_structure="lowrank", rank=K).fit(x, y)
+    mu, cov = gaussian_moments(low)
+    torch.testing.assert_close(mu, full.loc)
+    torch.testing.assert_close(cov, full.covariance.double(), rtol=1e-9, atol=1e-12)
+    kern = GeneralizedEllipticalSliceSampler(model, reference=low, chains=1, seed=0)
+    run(kern, x, y, samples=5, warmup=2, chains=1)  # accepted (it raised before)
+    from pyro_subspace.infer import EllipticalSliceSampler
+
+    for kernel in (kern, EllipticalSliceSampler(model)):  # not silently dropped by either
+        mcmc = MCMC(kernel, num_samples=5, warmup_steps=2, disable_progbar=True)
+        with pytest.raises(ValueError, match="subsample_size: elliptical slice sampling needs"):
+            mcmc.run(x, y, subsample_size=5)

@@ -27,7 +27,7 @@ from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
 from .. import distributed
 from .._checks import positive_int
-from .gaussian_prior import check_full_data, gaussian_priors
+from .gaussian_prior import check_full_data, gaussian_priors, refuse_subsampling
 
 
 class EllipticalSliceSampler(MCMCKernel):
@@ -122,6 +122,7 @@ class EllipticalSliceSampler(MCMCKernel):
         Under ``torch.distributed`` every rank first takes rank 0's random stream
         (`distributed.share_random_stream`): with the all-reduced likelihood, every rank then
         makes the same accept and shrink decisions and returns the same chain."""
+        refuse_subsampling(kwargs)
         distributed.share_random_stream()
         self._reset_counters()
         self._warmup_steps = warmup_steps

@@ -127,3 +127,50 @@ def _describe(fn: object) -> str:
     wrappers = (torch.distributions.Independent, ExpandedDistribution, MaskedDistribution)
     name = type(fn).__name__
     return f"{name}({_describe(fn.base_dist)})" if isinstance(fn, wrappers) else name
+
+
+def refuse_subsampling(kwargs: dict) -> None:
+    """A ``ValueError`` for a ``subsample_size`` given to an elliptical slice run (the kernels
+    need the full likelihood; it would otherwise be dropped silently)."""
+    if kwargs.get("subsample_size") is not None:
+        raise ValueError(
+            "subsample_size: elliptical slice sampling needs the full likelihood; call "
+            "mcmc.run(x, y) without it (a SubspaceNet's own subsample_size is for SVI)"
+        )
+
+
+def gaussian_moments(ref: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(μ (K,), Σ (K, K))`` float64 of a Gaussian reference given in any accepted form."""
+    if isinstance(ref, tuple) and len(ref) == 2:
+        mu, cov = (torch.as_tensor(v, dtype=torch.float64) for v in ref)
+    elif hasattr(ref, "loc") and hasattr(ref, "covariance") and hasattr(ref, "fitted"):
+        if not ref.fitted:
+            raise ValueError("reference: the Laplace guide is not fitted; call fit(x, y) first")
+        mu, s = ref.loc.double(), ref.structure
+        if s.name == "lowrank":  # packed buffers: Σ = A Aᵀ with A the draw map, A = draw(I)ᵀ
+            a = s.draw(ref.scale_tril, torch.eye(mu.numel(), dtype=mu.dtype, device=mu.device))
+            cov = (a.T @ a).double()
+        else:
+            cov = ref.covariance.double()
+    else:
+        base = ref
+        while isinstance(base, (Independent, ExpandedDistribution)):
+            base = base.base_dist
+        if not isinstance(base, (Normal, MultivariateNormal)) or ref.event_shape.numel() == 0:
+            raise TypeError(
+                "reference: expected 'warmup', 'laplace', 'prior', a fitted AutoSubspaceLaplace, "
+                "a Normal/MultivariateNormal over t or a (loc, covariance) pair, got "
+                f"{type(ref).__name__}"
+            )
+        mu = ref.mean.double().reshape(-1)
+        if isinstance(base, MultivariateNormal):
+            cov = base.covariance_matrix.double()
+        else:
+            cov = ref.variance.double().reshape(-1)
+    if mu.dim() != 1 or cov.shape not in ((mu.shape[0],), (mu.shape[0], mu.shape[0])):
+        raise ValueError(
+            f"reference: expected loc (K,) and covariance (K, K) or (K,), got {tuple(mu.shape)} "
+            f"and {tuple(cov.shape)}"
+        )
+    cov = torch.diag(cov) if cov.dim() == 1 else (cov + cov.T) / 2
+    return mu, cov

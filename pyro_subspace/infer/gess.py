@@ -28,7 +28,9 @@ advances all ``C`` chains together, each still-open bracket proposing once per p
 the ``(B, K)`` proposals in one batched call of the log-likelihood; Pyro's sequential driver then
 replays chain ``c``'s stored trajectory. Chain ``j`` draws its random numbers from its own
 generator (seeded from ``seed`` and ``j``), so the batched chains equal the chains run one at a
-time.
+time. ``j`` counts the chains this kernel object has started, across ``MCMC`` runs: a second run
+with the same kernel continues with new chains (new draws); a new kernel with the same ``seed``
+repeats the first run.
 
 Adaptation (by default only for ``reference="warmup"``, whose start is the prior): the
 reference is refitted from the later half of the warm-up draws of *all the chains advanced
@@ -60,12 +62,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from pyro.distributions import MultivariateNormal, Normal
-from pyro.distributions.torch_distribution import ExpandedDistribution
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
-from torch.distributions import Independent
 
 from ..exceptions import ConvergenceWarning
+from .gaussian_prior import gaussian_moments, refuse_subsampling
 
 REFERENCES = ("warmup", "laplace", "prior")
 INFLATION, SHRINKAGE = 1.2, 0.1  # of the covariance refitted from warm-up draws
@@ -184,6 +184,7 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
 
     def setup(self, warmup_steps: int, *args: Any, **kwargs: Any) -> None:
         """Start a chain: a new batch of ``chains`` chains, or the next chain of the batch."""
+        refuse_subsampling(kwargs)
         size = self.chains if self.chains and os.getpid() == self._pid else 1
         batch = self._batch
         new = (
@@ -285,7 +286,7 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
         ref = self.reference
         if isinstance(ref, str):
             if ref != "laplace":
-                return _moments(prior)
+                return gaussian_moments(prior)
             key = (
                 id(args[0]) if args else None,
                 id(args[1]) if len(args) > 1 else None,
@@ -301,9 +302,9 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", ConvergenceWarning)
                     guide.fit(*args, **kwargs, max_iter=100, tol=1e-3)
-                self._laplace, self._laplace_key = _moments(guide), key
+                self._laplace, self._laplace_key = gaussian_moments(guide), key
             return self._laplace
-        return _moments(ref)
+        return gaussian_moments(ref)
 
 
 class _Batch:
@@ -325,7 +326,7 @@ class _Batch:
                 f"{tuple(prior.event_shape)}"
             )
         self.k, self.df = k, kernel.df
-        prior_mu, prior_cov = _moments(prior)
+        prior_mu, prior_cov = gaussian_moments(prior)
         self.prior_mu = prior_mu.cpu().numpy()
         self.prior_inv = np.linalg.inv(_cholesky(prior_cov).cpu().numpy())  # L₀⁻¹
         self.gens = [np.random.default_rng(int(s)) for s in seeds]
@@ -462,35 +463,3 @@ def _cholesky(cov: torch.Tensor) -> torch.Tensor:
     if int(info) != 0 or not bool(torch.isfinite(factor).all()):
         raise ValueError("reference: the covariance is not positive definite")
     return factor
-
-
-def _moments(ref: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(μ (K,), Σ (K, K))`` float64 of a Gaussian reference given in any accepted form."""
-    if isinstance(ref, tuple) and len(ref) == 2:
-        mu, cov = (torch.as_tensor(v, dtype=torch.float64) for v in ref)
-    elif hasattr(ref, "loc") and hasattr(ref, "covariance") and hasattr(ref, "fitted"):
-        if not ref.fitted:
-            raise ValueError("reference: the Laplace guide is not fitted; call fit(x, y) first")
-        mu, cov = ref.loc.double(), ref.covariance.double()
-    else:
-        base = ref
-        while isinstance(base, (Independent, ExpandedDistribution)):
-            base = base.base_dist
-        if not isinstance(base, (Normal, MultivariateNormal)) or ref.event_shape.numel() == 0:
-            raise TypeError(
-                "reference: expected 'warmup', 'laplace', 'prior', a fitted AutoSubspaceLaplace, "
-                "a Normal/MultivariateNormal over t or a (loc, covariance) pair, got "
-                f"{type(ref).__name__}"
-            )
-        mu = ref.mean.double().reshape(-1)
-        if isinstance(base, MultivariateNormal):
-            cov = base.covariance_matrix.double()
-        else:
-            cov = ref.variance.double().reshape(-1)
-    if mu.dim() != 1 or cov.shape not in ((mu.shape[0],), (mu.shape[0], mu.shape[0])):
-        raise ValueError(
-            f"reference: expected loc (K,) and covariance (K, K) or (K,), got {tuple(mu.shape)} "
-            f"and {tuple(cov.shape)}"
-        )
-    cov = torch.diag(cov) if cov.dim() == 1 else (cov + cov.T) / 2
-    return mu, cov

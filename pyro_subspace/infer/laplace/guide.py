@@ -68,9 +68,10 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
             float64. A precision that is not positive definite in float32 is factorised in
             float64. The other structures are float64.
 
-    After `fit`: ``loc`` ``(K,) = t*`` (float64), ``precision`` (``(K, K)``, ``(K,)`` for diag,
-    packed ``(K+1, k+1)`` for lowrank: `lowrank.unpack`), ``covariance``, ``scale_tril`` (its
-    factor), ``ggn``, in ``dtype`` (above). Every draw (`forward`, `sample_weights`,
+    After `fit`: ``loc`` ``(K,) = t*`` (float64), ``precision``, ``covariance``, ``scale_tril``
+    (its factor) and ``ggn``, each ``(K, K)``, ``(K,)`` for diag, packed ``(K+1, k+1)`` for
+    lowrank (`lowrank.unpack`; ``get_posterior().covariance_matrix`` is the dense ``Σ``), in
+    ``dtype`` (above). Every draw (`forward`, `sample_weights`,
     ``Predictive``) and the linearised predictive use this one ``Σ``. Before `fit` these four
     buffers are zeros that take no memory (materialised by `fit` or ``load_state_dict``). With
     at most ``2K/3`` GGN rows (``N·O``; ``N·(C−1)`` for ``C`` classes) the full structure takes
