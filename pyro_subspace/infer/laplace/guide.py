@@ -303,7 +303,7 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
             torch.tensor([ev.temperature, ev.num_data, sse, count], dtype=torch.float64)
         )
         self._set_posterior()
-        if find_map:  # said only if t* is not the MAP up to a negligible part of Σ (Newton)
+        if find_map and float(unconverged[0].abs().max()) > tol:  # Σ∇ only when it can matter
             _warn_unconverged(*unconverged, offset=posterior_offset(self, unconverged[0]))
         return self
 

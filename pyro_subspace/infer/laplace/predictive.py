@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ... import _checks as ck
-from ...data import DataSource
+from ...data import as_tensors
 from ...flat import FlatNet
 
 if TYPE_CHECKING:  # the guide imports this module (its `predict`)
@@ -54,7 +54,7 @@ def linearized_moments(
     _check_guide(guide)
     guide.model.check_data(x)
     if not isinstance(x, torch.Tensor):  # a Dataset / DataLoader: its inputs, in its order
-        x = torch.cat(list(DataSource(x).inputs()))
+        x = as_tensors(x)[0]
     ck.positive_int(chunk_size, "chunk_size", allow_none=True)
     model, s = guide.model, guide.structure
     sigma = guide.covariance if covariance is None else covariance
