@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
 from .. import _checks
+from ..transaction import transaction
 from ..curvature import subspace_jacobians
 from ..flat import eval_mode
 from ..likelihoods import Likelihood, check_temperature
@@ -201,22 +202,26 @@ class MixtureOfLaplace(MixturePredictor):
         else:
             for net, lik in zip(self.nets, self.likelihoods):  # every member, before any work
                 _checks.check_data(net, x, y, lik, require_y=True)
-        self.members = []
-        if self.prior_precision is None:  # after "marglik": a refit starts from the shared λ
-            self.prior_precision = self._initial_prior_precision
+        # all or nothing: the new members are built aside and swapped in at the end, so an
+        # interrupted or failed refit leaves the mixture as it was (never part-fitted)
+        members = []
+        # after "marglik": a refit starts from the shared λ
+        lam = self._initial_prior_precision if self.prior_precision is None else self.prior_precision
         for i, (net, lik) in enumerate(zip(self.nets, self.likelihoods)):
             sub = self._subspace(i, net)
             model = SubspaceNet(
                 net, sub, lik, prior_scale=1.0,
                 temperature=self.temperature, prior_mean=self.prior_mean,
             )  # fmt: skip
-            model.set_prior_precision(self.prior_precision)
+            model.set_prior_precision(lam)
             # float64 posteriors: last layers are small (no speed to gain from float32), and
             # the evidence weights and the far-away bound (mola_bound) use their extremes
             guide = AutoSubspaceLaplace(model, chunk_size=self.chunk_size, dtype=torch.float64)
             guide.fit(x, y, find_map=find_map)
-            self.members.append((model, guide))
-        self._update_weights()
+            members.append((model, guide))
+        log_evidences, weights = self._weights_of(members)
+        self.members, self.prior_precision = members, lam
+        self.log_evidences, self.weights = log_evidences, weights
         return self
 
     @property
@@ -225,12 +230,18 @@ class MixtureOfLaplace(MixturePredictor):
         self._check_fitted()
         return torch.stack([g.prior_precision.double().mean().cpu() for _, g in self.members])
 
-    def _update_weights(self) -> None:
-        self.log_evidences = torch.stack(
-            [guide.log_marginal_likelihood().detach() for _, guide in self.members]
+    def _weights_of(self, members: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The members' log evidences ``(M,)`` and the mixture weights they give."""
+        log_evidences = torch.stack(
+            [guide.log_marginal_likelihood().detach() for _, guide in members]
         ).double()
+        weights = self.weights
         if self.weight_rule == "evidence":  # uniform prior over members: eq. (13) of E.1
-            self.weights = torch.softmax(self.log_evidences, 0)
+            weights = torch.softmax(log_evidences, 0)
+        return log_evidences, weights
+
+    def _update_weights(self) -> None:
+        self.log_evidences, self.weights = self._weights_of(self.members)
 
     def _check_fitted(self) -> None:
         if not self.members:
@@ -264,6 +275,11 @@ class MixtureOfLaplace(MixturePredictor):
         ``grid_scores`` ``(G, 2)`` holds the validation log-likelihood and MMC of each ``λ``.
         """
         self._check_fitted()
+        members = [m for pair in self.members for m in pair]
+        with transaction(self, *members):  # all or nothing, the members' λ and Σ included
+            return self._optimize_prior_precision(method, x_val, y_val, grid, threshold, margin)
+
+    def _optimize_prior_precision(self, method, x_val, y_val, grid, threshold, margin):
         if method == "marglik":
             for _, guide in self.members:
                 guide.optimize_prior_precision("marglik")

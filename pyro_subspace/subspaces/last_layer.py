@@ -44,6 +44,36 @@ def last_layer_indices(net: nn.Module) -> torch.Tensor:
     return torch.cat(spans)
 
 
+#: modules that may follow the last linear layer without changing its outputs' values (in the
+#: evaluation mode the features are read in)
+PASS_THROUGH = (nn.Identity, nn.Flatten, nn.Unflatten, nn.Dropout, nn.AlphaDropout)
+
+#: what to do when the last linear layer is not the network's output
+NOT_THE_OUTPUT = (
+    "the closed-form last-layer Jacobian assumes f = W φ + b; use a subnetwork of its indices, "
+    "subspaces.subnetwork(net, strategy='names', names=[{name!r}]), or a network that ends in "
+    "its linear layer (put the output transform in the likelihood)"
+)
+
+
+def _trailing_modules(net: nn.Module) -> list[nn.Module]:
+    """The leaf modules a ``nn.Sequential`` network runs after its last parameterised leaf
+    (recursing into nested ``nn.Sequential``); ``[]`` for any other network, whose forward order
+    is known only from a forward pass."""
+    leaves: list[nn.Module] = []
+
+    def walk(m: nn.Module) -> bool:
+        if isinstance(m, nn.Sequential):
+            return all(walk(child) for child in m)
+        leaves.append(m)
+        return not list(m.children())  # a composite module: its order is unknown
+
+    if not isinstance(net, nn.Sequential) or not walk(net):
+        return []
+    last = max((i for i, m in enumerate(leaves) if list(m.parameters())), default=-1)
+    return leaves[last + 1 :]
+
+
 class LastLayerSubspace(IndexSubspace):
     """The subspace of the final ``nn.Linear``'s weight (row-major) and bias.
 
@@ -66,6 +96,13 @@ class LastLayerSubspace(IndexSubspace):
                 f"net: the last layer {name!r} is a {type(last).__name__}, not an nn.Linear; "
                 "use subspaces.subnetwork(net, strategy='last_layer') for an index subspace"
             )
+        after = [m for m in _trailing_modules(net) if not isinstance(m, PASS_THROUGH)]
+        if after:
+            raise ValueError(
+                f"net: the last linear layer {name!r} is followed by "
+                f"{type(after[0]).__name__}, so it is not the network's output; "
+                + NOT_THE_OUTPUT.format(name=name)
+            )
         flat = FlatNet(net)
         shift = flat.vector() if shift is None else shift
         super().__init__(shift, last_layer_indices(net).to(shift.device))
@@ -80,15 +117,25 @@ class LastLayerSubspace(IndexSubspace):
         self, flat: FlatNet, x: torch.Tensor, w: torch.Tensor, chunk_size: int | None = 1024
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(outputs (n, C), φ̃ (n, P̃))`` per chunk at the flat weights ``w``: one forward pass
-        each, the penultimate features read by a forward hook on the last layer."""
+        each, the penultimate features read by a forward hook on the last layer. A ``ValueError``
+        at the first chunk when the layer's output is not the network's output (a network that
+        transforms it further, e.g. ``Linear → Tanh``, which the closed form would get wrong)."""
         layer = flat.net.get_submodule(self.layer_name)
-        feats: list[torch.Tensor] = []
-        handle = layer.register_forward_hook(lambda m, inp, out: feats.append(inp[0]))
+        feats: list[tuple[torch.Tensor, torch.Tensor]] = []
+        handle = layer.register_forward_hook(lambda m, inp, out: feats.append((inp[0], out)))
         try:
             with torch.no_grad(), eval_mode(flat.net):
                 for xc in x.split(chunk_size or 4096):
                     out = as_2d(flat(w, xc))
-                    phi = feats.pop().detach().reshape(xc.shape[0], -1).to(out)
+                    inp, layer_out = feats.pop()
+                    if layer_out.numel() != out.numel() or not torch.equal(
+                        layer_out.reshape(out.shape), out
+                    ):
+                        raise ValueError(
+                            f"net: the output of the last linear layer {self.layer_name!r} is "
+                            "not the network's output; " + NOT_THE_OUTPUT.format(name=self.layer_name)
+                        )
+                    phi = inp.detach().reshape(xc.shape[0], -1).to(out)
                     if self.rows.shape[1] > phi.shape[1]:  # bias column
                         phi = torch.cat([phi, torch.ones_like(phi[:, :1])], dim=1)
                     yield out, phi

@@ -17,7 +17,7 @@ from ...flat import FlatNet
 from ...likelihoods import Likelihood, check_likelihood, check_temperature
 from ...nn import SubspaceNet
 from ...subspaces import IndexSubspace, LastLayerSubspace, Subspace, subnetwork
-from .guide import AutoSubspaceLaplace
+from .guide import AutoSubspaceLaplace, _all_or_nothing
 from .predictive import linearized_moments
 from .structures import check_structure
 from .tuning import optimize_prior_precision
@@ -165,7 +165,26 @@ class NetLaplace(AutoSubspaceLaplace):
     """
 
     def fit(self, x: object, y: torch.Tensor | None = None, **kwargs: object):
+        """`AutoSubspaceLaplace.fit` at the network's weights *now* (as laplace-torch reads
+        them at ``fit``): weights loaded or trained after `Laplace` was built become the shift
+        ``ŵ`` (the subset's indices, chosen at construction, are kept). All or nothing: an
+        interrupted or failed fit leaves the guide and its model as they were."""
         kwargs.setdefault("find_map", False)
+        return self._fit_at_current_weights(x, y, **kwargs)
+
+    @_all_or_nothing
+    def _fit_at_current_weights(self, x: object, y: torch.Tensor | None, **kwargs: object):
+        model = self.model
+        w = FlatNet(model.net).vector().detach()
+        shift = model.subspace.shift
+        if w.shape != shift.shape:
+            raise ValueError(
+                f"net: has {w.numel()} weights now but {shift.numel()} when Laplace was built: "
+                "build Laplace again for the new architecture"
+            )
+        if not torch.equal(w.to(shift), shift):
+            model.subspace.shift.copy_(w)
+            model.set_prior(model.prior_mean)  # t₀ = Pᵀ(0 − ŵ) follows the new shift
         return super().fit(x, y, **kwargs)
 
     def forward(self, *args: object, **kwargs: object):

@@ -26,6 +26,7 @@ from ...data import DataSource
 from ...gram import RootRows
 from ...nn import SubspaceNet
 from ...nn.evaluator import Evaluator
+from ...transaction import transactional
 from .deferred import DeferredPosterior
 from .map_search import _find_map, _newton, _warn_unconverged, has_kinks, posterior_offset
 from .predictive import linearized_predictive
@@ -34,6 +35,8 @@ from .structures import make_structure
 PRIOR_MEANS = ("shift", "zero")
 #: The buffers of the curvature and the posterior, in the guide's ``dtype``.
 POSTERIOR_BUFFERS = ("ggn", "precision", "covariance", "scale_tril")
+#: a fit, refit or tuning either completes or leaves the guide and its model as they were
+_all_or_nothing = transactional(lambda g: (g, g.model), lambda g: g._mark_unfitted())
 
 
 class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
@@ -222,8 +225,15 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         if not self.fitted:
             raise RuntimeError(f"{type(self).__name__}: call fit(x, y) first")
 
+    def _mark_unfitted(self) -> None:
+        """What an interrupted fit leaves when its state was too large to copy aside
+        (`transaction.BUDGET_BYTES`): an unfitted guide, never a half-fitted one."""
+        self.fit_statistics.zero_()
+        self._reset_deferred()
+
     # ------------------------------------------------------------------ fitting
 
+    @_all_or_nothing
     def fit(
         self,
         x: object,
@@ -435,12 +445,14 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         sse, count = self.fit_statistics[2], self.fit_statistics[3]
         return -count / 2 * torch.log(2 * math.pi * sigma**2) - sse / (2 * sigma**2)
 
+    @_all_or_nothing
     def set_prior_precision(self, prior_precision: float | torch.Tensor) -> None:
         """Set ``λ`` in the model's prior (shared with MCMC/SVI on it) and update ``Σ``."""
         self.model.set_prior_precision(prior_precision)
         if self.fitted:
             self._set_posterior()
 
+    @_all_or_nothing
     def optimize_prior_precision(self, method: str = "marglik", **kwargs: object):
         """Choose ``λ`` (and optionally ``σ``) by ``"marglik"`` (type-II maximum likelihood) or
         ``"grid"`` (validation log-likelihood); see `tuning.optimize_prior_precision`."""
