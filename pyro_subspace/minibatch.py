@@ -107,6 +107,12 @@ def minibatch_loop(
     gen = shuffle_generator(None) if generator is None else generator
     bs = num_data if batch_size is None else min(batch_size, num_data)
     smallest = min(min_batch_size, num_data)
+    if epochs > 0 and bs < smallest:  # every minibatch would be skipped: nothing trained
+        raise ValueError(
+            f"batch_size: minibatches of {bs} are all smaller than {smallest}, the least a step "
+            "takes here (BatchNorm in training mode needs two points), so nothing would be "
+            f"trained: use batch_size >= {smallest}"
+        )
     if data_parallel and distributed.active():  # equally many steps per rank, before any work
         sizes = [min(bs, num_data - start) for start in range(0, num_data, bs)]
         check_lockstep(sum(s >= smallest for s in sizes), optimizer, "batch_size")
@@ -126,7 +132,8 @@ def minibatch_loop(
                 else:
                     total += value
                     count += 1
-            history.append(total / max(count, 1))
+            _check_trained(count, epoch, desc)
+            history.append(total / count)
             if on_epoch is not None:
                 on_epoch(epoch, history[-1])
             bar.update()
@@ -212,6 +219,17 @@ def take_steps(
         yield value, rows
 
 
+def _check_trained(count: int, epoch: int, desc: str, argument: str = "batch_size") -> None:
+    """Once per epoch: an epoch that took no step trained nothing, an error rather than a
+    loss of 0.0 reported as success."""
+    if count == 0:
+        raise ValueError(
+            f"{argument}: {desc} took no step in epoch {epoch + 1} (every minibatch was empty "
+            "or skipped as too small for BatchNorm), so nothing was trained: give data with "
+            "minibatches of at least two rows"
+        )
+
+
 def loader_loop(
     batch_loss, loader, epochs: int, optimizer, on_epoch, desc: str, offset: int = 0
 ) -> list[float]:
@@ -239,6 +257,7 @@ def loader_loop(
             epoch=epoch, desc=desc, data_parallel=True,
         ):  # fmt: skip
             total, count = total + value * rows, count + rows
-        history.append(total / max(count, 1))
+        _check_trained(count, epoch, desc, argument="x")
+        history.append(total / count)
         on_epoch(epoch, history[-1])
     return history

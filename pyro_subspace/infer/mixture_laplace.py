@@ -254,7 +254,7 @@ class MixtureOfLaplace(MixturePredictor):
         y_val: torch.Tensor | None = None,
         grid: torch.Tensor | None = None,
         threshold: float | None = None,
-        margin: float = 0.01,
+        margin: float | None = None,
     ) -> MixtureOfLaplace:
         """Tune the prior precision after fitting (MoLA B.2, "post-hoc tuning"); returns ``self``.
 
@@ -271,9 +271,19 @@ class MixtureOfLaplace(MixturePredictor):
         - ``"marglik"``: each member maximises its own Laplace evidence
           (`AutoSubspaceLaplace.optimize_prior_precision`), so the ``λ`` differ.
 
+        ``margin`` defaults to ``0.01``. A keyword the method does not use (validation data
+        for ``"marglik"``, ``threshold``/``margin`` outside ``"confidence"``) is a
+        ``TypeError``. All or nothing: an interrupted tuning leaves every member as it was.
+
         Evidence-based mixture weights are recomputed afterwards. After a grid method,
         ``grid_scores`` ``(G, 2)`` holds the validation log-likelihood and MMC of each ``λ``.
         """
+        given = {"x_val": x_val, "y_val": y_val, "grid": grid, "threshold": threshold, "margin": margin}
+        unused = {"marglik": set(given), "grid": {"threshold", "margin"}, "confidence": set()}
+        for name in sorted(unused.get(method, ())):
+            if given[name] is not None:  # nothing accepted and then ignored
+                raise TypeError(f"{name}: not used by method={method!r}; leave it out")
+        margin = 0.01 if margin is None else margin
         self._check_fitted()
         members = [m for pair in self.members for m in pair]
         with transaction(self, *members):  # all or nothing, the members' λ and Σ included

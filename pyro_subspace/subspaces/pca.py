@@ -10,6 +10,7 @@ collected iterates in those directions: the subspace model then induces a low-ra
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -224,6 +225,24 @@ def minka_dimension(
     return int(np.argmax(scores)) + 1
 
 
+def rounding_floor(collector: SWACollector) -> float:
+    """The singular value below which a direction of ``covariance_factor`` is rounding noise:
+    the running mean and the deviations carry a relative error of about ``eps`` of the
+    collector's dtype per update, so a trajectory that never moved gives rows of norm about
+    ``eps·‖w̄‖``; ``64·eps·‖w̄‖`` leaves a margin (any real SGD step is far above it)."""
+    mean = collector.running_mean
+    return 64 * torch.finfo(mean.dtype).eps * float(mean.double().norm())
+
+
+def _check_moved(top: float, floor: float) -> None:
+    if top <= floor:
+        raise ValueError(
+            "collector: the collected weights did not move (the deviations are rounding noise "
+            f"of the running mean: largest singular value {top:.3g} <= {floor:.3g}); train with "
+            "a learning rate > 0 between collect() calls (swa_lr, swa_epochs)"
+        )
+
+
 def pca(collector: SWACollector, rank: int | str, seed: int | None = 0) -> Subspace:
     """The PCA subspace of the SGD trajectory (paper C.2, Algorithm 2).
 
@@ -252,10 +271,12 @@ def pca(collector: SWACollector, rank: int | str, seed: int | None = 0) -> Subsp
         raise ValueError(f"collector: PCA needs at least 2 snapshots, {m} collected")
     dev = collector.covariance_factor()  # shape: (M, D)
     n_samples = collector.n_collected if collector.method == "frequent_directions" else m
+    floor = rounding_floor(collector)
     if rank == "mle":
         _, s, vt = torch.linalg.svd(dev.double(), full_matrices=False)
+        _check_moved(float(s[0]), floor)
         spectrum = s.square().numpy(force=True)
-        nonzero = int((spectrum > spectrum[0] * 1e-10).sum()) if spectrum[0] > 0 else 0
+        nonzero = int((s > floor).sum())  # directions above the running mean's rounding
         if nonzero < 2:
             raise ValueError(
                 f"collector: the trajectory spans {nonzero} direction(s); need >= 2 for rank='mle'"
@@ -272,5 +293,15 @@ def pca(collector: SWACollector, rank: int | str, seed: int | None = 0) -> Subsp
         if seed is None:  # one draw from torch's global generator (torch.manual_seed controls it)
             seed = int(torch.randint(0, 2**31 - 1, ()))
         _, s, vt = randomized_svd(dev.numpy(force=True).astype(np.float64), rank, random_state=seed)
+        _check_moved(float(s[0]), floor)
+        moved = int((s > floor).sum())
+        if moved < rank:
+            warnings.warn(
+                f"pca: the trajectory moved in {moved} direction(s) only; the other "
+                f"{rank - moved} of rank={rank} are rounding noise of the running mean. Use "
+                f"rank <= {moved} (or rank='mle'), or collect along a longer SGD run",
+                UserWarning,
+                stacklevel=2,
+            )
         basis = torch.as_tensor(vt.T * s, dtype=dev.dtype, device=dev.device)
     return Subspace(collector.mean, basis)

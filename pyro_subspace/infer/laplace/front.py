@@ -49,7 +49,7 @@ def Laplace(
     prior_precision: float = 1.0,
     temperature: float = 1.0,
     n_params: int | None = None,
-    strategy: str = "magnitude",
+    strategy: str | None = None,
     chunk_size: int = 1024,
     rank: int | None = None,
     rescale_prior: bool | None = None,
@@ -67,9 +67,10 @@ def Laplace(
             flat indices, or any `Subspace`.
         hessian_structure: ``"full"``, ``"diag"`` or ``"lowrank"`` (the top-``rank`` GGN
             eigenpairs by Lanczos plus the prior ``λ I`` as the isotropic remainder).
-        n_params: ``K``, how many weights ``"subnetwork"`` selects (required there).
-        strategy: `subspaces.subnetwork`'s selection for ``"subnetwork"``: ``"magnitude"``
-            (default: needs no data), ``"diag_laplace"`` (Subnetwork Inference eq. 23: the
+        n_params: ``K``, how many weights ``"subnetwork"`` selects (required there; an error
+            with any other ``subset_of_weights``).
+        strategy: `subspaces.subnetwork`'s selection, only with ``"subnetwork"``:
+            ``"magnitude"`` (default: needs no data), ``"diag_laplace"`` (Subnetwork Inference eq. 23: the
             largest marginal variances ``1 / (diag(G) + λ)`` under a diagonal Laplace with
             this ``likelihood`` and ``prior_precision``; pass the training inputs ``x=``),
             ``"random"``, ... (`subspaces.subnetwork`).
@@ -102,6 +103,14 @@ def Laplace(
     selected = isinstance(subset_of_weights, str) and subset_of_weights == "subnetwork"
     if rescale_prior is not None:
         ck.choice(rescale_prior, "rescale_prior", (True, False))
+    for name, value in (("n_params", n_params), ("strategy", strategy)):
+        if value is not None and not selected:  # nothing is accepted and then ignored
+            raise TypeError(
+                f"{name}: only used with subset_of_weights='subnetwork' (got "
+                f"subset_of_weights={_describe(subset_of_weights)}); leave it out, or select a "
+                "subnetwork"
+            )
+    strategy = "magnitude" if strategy is None else strategy
     for name in strategy_kwargs:  # nothing is accepted and then ignored
         if name in _LT_KEYWORDS:
             raise TypeError(f"{name}: not an argument of Laplace here: {_LT_KEYWORDS[name]}")
@@ -341,6 +350,12 @@ class DiagonalLaplace(NetLaplace):
     def moments(self, x: torch.Tensor, chunk_size: int | None = None):
         """``f(x, ŵ)`` ``(N, O)`` and ``J diag(v) Jᵀ`` ``(N, O, O)``, float64."""
         return linearized_moments(self, x, chunk_size=chunk_size)
+
+
+def _describe(subset: object) -> str:
+    if isinstance(subset, str):
+        return repr(subset)
+    return f"a {type(subset).__name__}"
 
 
 def _check_lambda(prior_precision: object) -> float:

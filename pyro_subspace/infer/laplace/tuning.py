@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from ..._checks import check_int
 from ...data import as_tensors
 from ...flat import FlatNet
 
@@ -70,17 +71,42 @@ def optimize_prior_precision(
     guide,
     method: str = "marglik",
     *,
-    optimize_sigma: bool = False,
+    optimize_sigma: bool | None = None,
     x_val: object = None,
     y_val: torch.Tensor | None = None,
     grid: torch.Tensor | None = None,
-    max_iter: int = 100,
+    max_iter: int | None = None,
 ) -> None:
     """Choose one scalar ``λ`` (and with ``optimize_sigma`` the noise ``σ``) for ``guide``;
-    write it into the model's prior and update ``Σ``. ``t*`` is kept."""
+    write it into the model's prior and update ``Σ``. ``t*`` is kept.
+
+    ``optimize_sigma`` (a `Gaussian` likelihood only) and ``max_iter`` (L-BFGS iterations,
+    default 100) belong to ``"marglik"``; ``x_val``, ``y_val`` and ``grid`` to ``"grid"``. A
+    keyword the chosen method does not use is an error, never silently ignored."""
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    given = {
+        "optimize_sigma": optimize_sigma, "max_iter": max_iter,
+        "x_val": x_val, "y_val": y_val, "grid": grid,
+    }  # fmt: skip
+    unused = _UNUSED[method]
+    for name, value in given.items():
+        if name in unused and value is not None:
+            raise TypeError(
+                f"{name}: not used by method={method!r} ({_USED_BY[name]} only); leave it out"
+            )
+    if optimize_sigma is not None and optimize_sigma not in (True, False):
+        raise TypeError(f"optimize_sigma: expected True or False, got {optimize_sigma!r}")
+    if max_iter is not None:
+        check_int(max_iter, "max_iter", 1)
+    if optimize_sigma and not hasattr(guide.likelihood, "sigma"):
+        raise ValueError(
+            f"optimize_sigma: the {type(guide.likelihood).__name__} likelihood has no noise σ "
+            "to tune (a Gaussian likelihood has)"
+        )
     guide._check_fitted()
     if method == "marglik":
-        _optimize_marglik(guide, optimize_sigma, max_iter)
+        _optimize_marglik(guide, bool(optimize_sigma), 100 if max_iter is None else max_iter)
     elif method == "grid":
         if x_val is None or (y_val is None and isinstance(x_val, torch.Tensor)):
             raise ValueError(
@@ -93,8 +119,14 @@ def optimize_prior_precision(
         scores = validation_log_likelihood(guide, x_val, y_val, grid)
         guide.grid_scores = scores
         guide.set_prior_precision(grid[int(scores.argmax())])
-    else:
-        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+
+
+#: the keywords each method does not use, and which method uses each
+_UNUSED = {"marglik": ("x_val", "y_val", "grid"), "grid": ("optimize_sigma", "max_iter")}
+_USED_BY = {
+    "optimize_sigma": "'marglik'", "max_iter": "'marglik'",
+    "x_val": "'grid'", "y_val": "'grid'", "grid": "'grid'",
+}  # fmt: skip
 
 
 def _optimize_marglik(guide, optimize_sigma: bool, max_iter: int) -> None:
