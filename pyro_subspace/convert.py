@@ -42,6 +42,7 @@ from pyro.infer import MCMC
 from pyro.poutine.subsample_messenger import _Subsample
 from scipy.special import logsumexp
 
+from . import rng
 from ._checks import check_int, positive_float, positive_int
 
 
@@ -67,7 +68,9 @@ def to_inference_data(
         model, args, kwargs: the model and the arguments it was conditioned with (e.g.
             ``(x_train, y_train)``); required with ``samples``.
         draws_per_chunk: draws evaluated per vectorised model run (bounds memory).
-        seed: seeds the posterior predictive draws.
+        seed: seeds the posterior predictive draws (as ``pyro.set_rng_seed(seed)`` would, but
+            torch's, NumPy's and Python's global generators are afterwards where they were);
+            ``None``: they come from the caller's global generators, which they advance.
         log_likelihood: ``"tempered"`` (default): ``log p(y_n | θ)/T``, the term whose product
             with the prior the draws follow, which ``az.loo``/``az.waic`` need; or
             ``"untempered"``: ``log p(y_n | θ)`` (warns when a site is tempered).
@@ -110,43 +113,44 @@ def to_inference_data(
     n_chains, n_draws = next(iter(grouped.values())).shape[:2]
     flat = {k: v.reshape(n_chains * n_draws, *v.shape[2:]) for k, v in grouped.items()}
 
-    if seed is not None:
-        pyro.set_rng_seed(seed)
-    prototype = poutine.trace(model).get_trace(*args, **kwargs)
-    observed = [
-        name for name, s in prototype.nodes.items() if _is_random(name, s) and s["is_observed"]
-    ]
-    nesting = max(
-        [
-            -f.dim
-            for s in prototype.nodes.values()
-            if s["type"] == "sample"
-            for f in s["cond_indep_stack"]
-            if f.vectorized
+    # the model's draws (the trace, the posterior predictive) follow pyro.set_rng_seed(seed);
+    # the caller's global generators are left as they were (seed=None: they are advanced)
+    with rng.seeded(seed):
+        prototype = poutine.trace(model).get_trace(*args, **kwargs)
+        observed = [
+            name for name, s in prototype.nodes.items() if _is_random(name, s) and s["is_observed"]
         ]
-        + [0]
-    )
-    pieces: dict[str, list[torch.Tensor]] = {"lp": []}
-    scales: dict[str, float] = {}
-    for start in range(0, n_chains * n_draws, draws_per_chunk):
-        chunk = {k: v[start : start + draws_per_chunk] for k, v in flat.items()}
-        trace = _vectorised_trace(model, chunk, prototype, nesting, args, kwargs)
-        s = next(iter(chunk.values())).shape[0]
-        lp = torch.zeros(s)
-        for name, site in trace.nodes.items():
-            if not _is_random(name, site):
-                continue
-            site_lp = site["fn"].log_prob(site["value"])
-            lp = lp + (site_lp * site["scale"]).reshape(s, -1).sum(-1).detach().cpu()
-            if name in observed:
-                shape = prototype.nodes[name]["fn"].batch_shape
-                scale = float(site["scale"])
-                scales[name] = scale
-                ll = site_lp * scale if log_likelihood == "tempered" else site_lp
-                pieces.setdefault(f"ll:{name}", []).append(ll.reshape(s, *shape).detach().cpu())
-                draw = site["fn"].sample().reshape(s, *prototype.nodes[name]["value"].shape)
-                pieces.setdefault(f"pp:{name}", []).append(draw.detach().cpu())
-        pieces["lp"].append(lp)
+        nesting = max(
+            [
+                -f.dim
+                for s in prototype.nodes.values()
+                if s["type"] == "sample"
+                for f in s["cond_indep_stack"]
+                if f.vectorized
+            ]
+            + [0]
+        )
+        pieces: dict[str, list[torch.Tensor]] = {"lp": []}
+        scales: dict[str, float] = {}
+        for start in range(0, n_chains * n_draws, draws_per_chunk):
+            chunk = {k: v[start : start + draws_per_chunk] for k, v in flat.items()}
+            trace = _vectorised_trace(model, chunk, prototype, nesting, args, kwargs)
+            s = next(iter(chunk.values())).shape[0]
+            lp = torch.zeros(s)
+            for name, site in trace.nodes.items():
+                if not _is_random(name, site):
+                    continue
+                site_lp = site["fn"].log_prob(site["value"])
+                lp = lp + (site_lp * site["scale"]).reshape(s, -1).sum(-1).detach().cpu()
+                if name in observed:
+                    shape = prototype.nodes[name]["fn"].batch_shape
+                    scale = float(site["scale"])
+                    scales[name] = scale
+                    ll = site_lp * scale if log_likelihood == "tempered" else site_lp
+                    pieces.setdefault(f"ll:{name}", []).append(ll.reshape(s, *shape).detach().cpu())
+                    draw = site["fn"].sample().reshape(s, *prototype.nodes[name]["value"].shape)
+                    pieces.setdefault(f"pp:{name}", []).append(draw.detach().cpu())
+            pieces["lp"].append(lp)
 
     def group(prefix: str) -> dict[str, np.ndarray]:
         return {

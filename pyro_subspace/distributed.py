@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset, IterableDataset, Subset
 
 _LOCAL = [False]
 
@@ -119,9 +119,23 @@ def shard(data: object) -> object:
     rank, size = world()
     if isinstance(data, torch.Tensor):
         return data[rank::size]
+    if isinstance(data, IterableDataset) or (isinstance(data, Dataset) and not _has_len(data)):
+        raise TypeError(
+            f"data: a {type(data).__name__} without a length cannot be sharded by rows; give "
+            "each rank its own stream (e.g. an IterableDataset that reads "
+            "torch.distributed.get_rank()'s part), or a map-style Dataset"
+        )
     if isinstance(data, Dataset):
         return Subset(data, range(rank, len(data), size))  # type: ignore[arg-type]
     raise TypeError(f"data: expected a tensor or a Dataset, got {type(data).__name__}")
+
+
+def _has_len(data: object) -> bool:
+    try:
+        len(data)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
 
 
 def gather_ints(value: int) -> list[int]:

@@ -15,12 +15,14 @@ Example:
     >>> from torch import nn
     >>> lin = nn.Linear(2, 1)
     >>> before = lin.weight.detach().clone()
-    >>> try:
+    >>> def failing_fit():
     ...     with transaction(lin):
     ...         lin.weight.data.add_(1.0)
-    ...         raise KeyboardInterrupt
-    ... except KeyboardInterrupt:
-    ...     pass
+    ...         raise RuntimeError("interrupted")
+    >>> failing_fit()
+    Traceback (most recent call last):
+    ...
+    RuntimeError: interrupted
     >>> bool(torch.equal(lin.weight, before))
     True
 """
@@ -112,7 +114,7 @@ def transaction(
     """Undo every change to ``objects`` if the block raises (any exception).
 
     Args:
-        objects: ``nn.Module``s (all their submodules' parameters, buffers and attributes) and
+        objects: ``nn.Module`` objects (all their submodules' parameters, buffers and attributes) and
             plain objects (their attributes).
         budget: the most bytes the snapshot may copy (``None``: `BUDGET_BYTES`).
         on_overflow: called on failure instead of restoring when the snapshot would exceed

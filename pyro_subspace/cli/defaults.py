@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .. import datasets, likelihoods
+from .. import datasets, likelihoods, rng
 
 SYNTHETIC = ("toy", "in_between")
 MAX_EPOCHS = 2000
@@ -59,8 +59,7 @@ def early_stopping_epochs(
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     n_val = max(1, int(round(val_fraction * n)))
     val, fit = perm[:n_val], perm[n_val:]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with rng.seeded(seed, numpy=False, python=False):
         net = make_net()
     lik = likelihoods.Gaussian()
     optimizer = torch.optim.Adam(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -85,6 +86,18 @@ def number_or(word: str, kind: Callable[[str], object], what: str) -> Callable[[
             raise argparse.ArgumentTypeError(f"expected {what} or {word!r}, got {text!r}") from None
 
     return parse
+
+
+def output_dir(text: str) -> Path:
+    """``--out``: a folder that exists or can be made, checked when the options are read
+    (before any training), not when the results are written."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is an existing file, not a folder")
+    parent = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot write in {str(parent)!r}")
+    return path
 
 
 def widths(text: str) -> tuple[int, ...] | str:
@@ -186,7 +199,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--seed", type=int_at_least(0), default=0, help="seeds data split, init and inference"
     )
-    g.add_argument("--out", type=Path, default=Path("out"), help="directory for the PNG and JSON")
+    g.add_argument(
+        "--out", type=output_dir, default=Path("out"), help="directory for the PNG and JSON"
+    )
     g.add_argument(
         "--no-progress", "--quiet", action="store_true", help="hide progress bars and messages"
     )

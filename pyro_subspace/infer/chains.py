@@ -29,14 +29,17 @@ from collections.abc import Callable
 from typing import Any
 
 import pyro
-import pyro.util
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .. import _checks, distributed
+from .. import _checks, distributed, rng
 
 __all__ = ["run_chains"]
+
+
+#: the largest seed `pyro.set_rng_seed` takes (NumPy's limit, ``2³² − 1``)
+MAX_SEED = 2**32 - 1
 
 
 def run_chains(
@@ -79,6 +82,11 @@ def run_chains(
     _checks.positive_int(num_chains, "num_chains")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+    if seed < 0 or seed + num_chains - 1 > MAX_SEED:  # every chain's, before any chain runs
+        raise ValueError(
+            f"seed: chains are seeded seed + i for i < num_chains={num_chains}, and NumPy takes "
+            f"seeds in [0, {MAX_SEED}]: use 0 <= seed <= {MAX_SEED - num_chains + 1}, got {seed}"
+        )
     _checks.positive_int(threads, "threads")
     if processes is not None and (
         isinstance(processes, bool) or not isinstance(processes, int) or processes < 0
@@ -104,16 +112,14 @@ def run_chains(
 
 
 def _in_process(fn: Callable[[int], Any], chains: range, seed: int) -> list[Any]:
-    """The chains in this process; the caller's random state is restored afterwards."""
-    state = pyro.util.get_rng_state()
-    try:
+    """The chains in this process; the caller's random state (torch's CPU and CUDA generators,
+    NumPy's, Python's) is restored afterwards."""
+    with rng.preserved():
         out = []
         for i in chains:
             pyro.set_rng_seed(seed + i)
             out.append(fn(i))
         return out
-    finally:
-        pyro.util.set_rng_state(state)
 
 
 def _chain(fn: Callable[[int], Any], chain: int, seed: int, threads: int, results) -> None:

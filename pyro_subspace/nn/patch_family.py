@@ -68,6 +68,7 @@ from pyro.poutine.runtime import get_plates
 from torch import nn
 
 from .. import _checks as ck
+from .. import rng
 from .subspace_net import check_data
 
 MODES = ("emp", "ecmp", "dropout", "dropconnect", "ensemble")
@@ -318,12 +319,12 @@ class PatchFamily:
     ) -> dict[str, torch.Tensor]:
         """Initial means by slot key: ``(K, *shape)`` for patched slots (`PatchedNet`'s
         ``init``), the net's current values otherwise. Draws from a generator seeded by
-        ``seed`` and from the global generator forked and seeded by ``seed`` (left untouched)."""
+        ``seed`` and from torch's global generator seeded by ``seed`` inside `rng.seeded` (the
+        caller's CPU and CUDA generators are left untouched)."""
         modules = dict(net.named_modules())
         gen = torch.Generator().manual_seed(seed)
         out = {}
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with rng.seeded(seed, numpy=False, python=False):
             for slot in self.slots:
                 module = modules[slot.module]
                 pname = slot.name[len(slot.module) + 1 :] if slot.module else slot.name
