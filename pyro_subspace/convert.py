@@ -130,6 +130,16 @@ def to_inference_data(
             ]
             + [0]
         )
+        for name, value in flat.items():  # every site and shape, before any model run
+            site = prototype.nodes.get(name)
+            if site is None:
+                raise ValueError(f"samples: site {name!r} is not a sample site of the model")
+            if _is_random(name, site) and tuple(value.shape[1:]) != tuple(site["value"].shape):
+                raise ValueError(
+                    f"samples[{name!r}]: draws of shape {tuple(value.shape[1:])}, but the model's "
+                    f"site has shape {tuple(site['value'].shape)} (samples of another model, e.g. "
+                    "another rank K?)"
+                )
         pieces: dict[str, list[torch.Tensor]] = {"lp": []}
         scales: dict[str, float] = {}
         for start in range(0, n_chains * n_draws, draws_per_chunk):
@@ -233,6 +243,15 @@ def tempered_loo(
         ELPDData = None
     if psislw is None or ELPDData is None:  # pragma: no cover - arviz 1.x
         raise ImportError("tempered_loo: needs arviz 0.x's az.psislw and ELPDData")
+    groups = getattr(data, "groups", None)
+    if not callable(groups) or "log_likelihood" not in groups() or "posterior" not in groups():
+        raise TypeError(
+            f"data: expected ArviZ data with posterior and log_likelihood groups, got "
+            f"{type(data).__name__}; convert an MCMC run first: "
+            "tempered_loo(to_inference_data(mcmc))"
+        )
+    if reff is not None:
+        reff = positive_float(reff, "reff")
     group = data["log_likelihood"]
     names = list(group.data_vars)
     if var_name is None:
@@ -252,6 +271,10 @@ def tempered_loo(
     if int(attrs.get("tempered", 0)):
         ll = ll * temperature  # back to log p(y_n | t_s)
     n_points, n_samples = ll.shape
+    if n_samples < 2:
+        raise ValueError(
+            f"data: PSIS-LOO needs at least 2 posterior draws, got {n_samples}; draw more samples"
+        )
     if reff is None:
         posterior = data["posterior"]
         chains = posterior.sizes["chain"] if "chain" in posterior.sizes else 1

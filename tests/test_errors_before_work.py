@@ -53,3 +53,43 @@ def test_a_csv_saved_with_a_byte_order_mark_reads_its_first_column(tmp_path):
     a = datasets.from_csv(plain, "y", seed=0)
     b = datasets.from_csv(excel, "y", seed=0)  # the target column was "\ufeffy" before
     assert torch.equal(a.x_train, b.x_train) and torch.equal(a.y_test, b.y_test)
+
+
+# ------------------------------------------------------------------ ArviZ helpers
+
+
+def _conjugate_export(num_samples=40):
+    import pyro
+    import pyro.distributions as dist
+    from pyro.infer import MCMC, NUTS
+
+    from pyro_subspace.convert import to_inference_data
+
+    y = torch.tensor([0.3, -0.1, 0.8, 0.2])
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(model), num_samples=num_samples, warmup_steps=20, disable_progbar=True)
+    mcmc.run(y)
+    return mcmc, model, y, to_inference_data
+
+
+def test_arviz_helpers_name_what_is_wrong_before_any_work():
+    from pyro_subspace.convert import tempered_loo
+
+    mcmc, model, y, to_inference_data = _conjugate_export()
+    with pytest.raises(TypeError, match="data: expected ArviZ data .*to_inference_data\\(mcmc\\)"):
+        tempered_loo(mcmc)
+    idata = to_inference_data(mcmc)
+    with pytest.raises(ValueError, match="reff: expected a finite number > 0"):
+        tempered_loo(idata, reff=0.0)
+    one = to_inference_data(samples={"mu": torch.zeros(1)}, model=model, args=(y,))
+    with pytest.raises(ValueError, match="data: PSIS-LOO needs at least 2 posterior draws"):
+        tempered_loo(one)
+    # samples of another model (another K): named before the model runs
+    with pytest.raises(ValueError, match="samples\\['mu'\\]: draws of shape \\(3,\\)"):
+        to_inference_data(samples={"mu": torch.zeros(5, 3)}, model=model, args=(y,))
