@@ -5,7 +5,9 @@ Every public entry point validates its arguments here before any work, so a bad 
 the argument's name, says what was expected, what was received and, where there is one, the fix.
 
 - scalars: `check_int` (`positive_int`, `nonneg_int`), `positive_float`, `probability`, `choice`;
-- tensors: `check_tensor`;
+- tensors: `check_tensor`; arrays: `check_finite` (names the first NaN/inf row and column);
+- class labels: `check_labels` (integers in ``[0, C)``; whole-number floats pass, fractions,
+  negatives and labels ``>= C`` are errors, never truncated);
 - data against a network: `check_data` (width, ndim, dtype, device, finiteness, and the targets
   against the likelihood), read from the network's structure, never by calling it.
 """
@@ -17,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from numbers import Integral, Real
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -114,9 +117,122 @@ def check_tensor(
             )
     if nonempty and value.numel() == 0:
         raise ValueError(f"{name}: expected a non-empty tensor, got shape {tuple(value.shape)}")
-    if finite and value.is_floating_point() and not bool(torch.isfinite(value).all()):
-        raise ValueError(f"{name}: contains NaN or inf; remove or impute those entries")
+    if finite and value.is_floating_point():
+        check_finite(value, name, "remove or impute those entries")
     return value
+
+
+# ------------------------------------------------------------------- arrays and class labels
+
+
+def _where(index: tuple[int, ...]) -> str:
+    """``row i`` / ``row i, column j`` / ``row i, index (j, k)`` for an entry of an array."""
+    if len(index) == 1:
+        return f"row {index[0]}"
+    rest = index[1:]
+    return f"row {index[0]}, " + (f"column {rest[0]}" if len(rest) == 1 else f"index {rest}")
+
+
+def first_nonfinite(value: object) -> tuple[int, ...] | None:
+    """Index of the first NaN/inf entry of a tensor or NumPy array (row-major), or ``None``.
+
+    A tensor is scanned block by block (about 2¹⁶ entries each, as `all_finite`), so that a large
+    finite data set costs no temporary of its own size.
+    """
+    if not isinstance(value, torch.Tensor):  # a NumPy array (any strides)
+        a = np.asarray(value)
+        if a.dtype.kind not in "fc":
+            return None
+        bad = np.argwhere(~np.isfinite(a))
+        return tuple(int(i) for i in bad[0]) if len(bad) else None
+    x = value
+    if not x.is_floating_point() and not x.is_complex():
+        return None
+    if x.dim() == 0:
+        return None if bool(torch.isfinite(x)) else ()
+    rows = max(1, 2**16 // max(1, x[:1].numel()))
+    for start, block in zip(range(0, x.shape[0], rows), x.split(rows)):
+        bad = ~torch.isfinite(block)
+        if bool(bad.any()):
+            first = bad.nonzero()[0].tolist()
+            return (start + first[0], *first[1:])
+    return None
+
+
+def check_finite(value: object, name: str, fix: str = "remove or impute those rows") -> None:
+    """Raise a ``ValueError`` naming ``name``, the first NaN/inf entry (row, column) and its
+    value unless every entry of the tensor/array ``value`` is finite."""
+    index = first_nonfinite(value)
+    if index is not None:
+        bad = value[index] if index else value
+        bad = bad.item() if hasattr(bad, "item") else bad
+        at = f" at {_where(index)}" if index else ""
+        raise ValueError(f"{name}: contains NaN or inf ({bad}{at}); {fix}")
+
+
+def check_labels(
+    y: object,
+    name: str = "y",
+    num_classes: int | None = None,
+    n: int | None = None,
+    *,
+    x_name: str = "x",
+    why: str = "",
+) -> torch.Tensor:
+    """Class labels ``y`` ``(N,)`` or ``(N, 1)`` as an int64 tensor ``(N,)``: the one check of
+    classification targets (the `Categorical` likelihood, mixtures' ``log_prob``, validation
+    labels, metrics, `datasets.from_arrays`).
+
+    A label must be an integer in ``[0, num_classes)`` (``>= 0`` when ``num_classes`` is
+    ``None``). Integer and bool tensors pass, and so do floating tensors holding whole numbers
+    (``1.0``, as the likelihood has always taken training targets); a fraction (``0.5``), NaN or
+    inf, a negative label or one ``>= num_classes`` is a ``ValueError`` naming ``name``, the first
+    bad row and its value, never truncated. With ``n``: exactly ``n`` labels, one per row of
+    ``x_name``. ``why`` says where ``num_classes`` comes from (e.g. ``" for this network"``).
+    """
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor of class labels, got {type(y).__name__}")
+    if y.is_complex():
+        raise TypeError(f"{name}: expected integer class labels, got dtype {y.dtype}")
+    shape = tuple(y.shape)
+    if y.dim() == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.dim() != 1:
+        want = "(N,) or (N, 1)" if n is None else f"({n},) or ({n}, 1)"
+        raise ValueError(f"{name}: expected class labels of shape {want}, got {shape}")
+    if n is not None and y.shape[0] != n:
+        raise ValueError(
+            f"{name}: expected {n} labels, one per row of {x_name}, got shape {shape}"
+        )
+    if y.shape[0] == 0:
+        raise ValueError(f"{name}: expected at least one label, got shape {shape}")
+    rng = f" in [0, {num_classes})" if num_classes is not None else " >= 0"
+    if y.is_floating_point():
+        bad = ~torch.isfinite(y) | (y != y.round())
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"{name}: class labels must be integers{rng}{why}; got {float(y[i])} at row {i} "
+                "(a label is never truncated)"
+            )
+    if y.dtype == torch.bool:
+        return y.long()
+    bad = y < 0
+    if num_classes is not None:
+        bad = bad | (y >= num_classes)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        v = y[i].item()
+        v = int(v) if float(v).is_integer() else v
+        if num_classes is None:
+            raise ValueError(
+                f"{name}: class labels must be non-negative integers; got {v} at row {i}"
+            )
+        raise ValueError(
+            f"{name}: expected labels in [0, {num_classes}), got {v} at row {i}: class labels "
+            f"must lie in [0, {num_classes}){why}"
+        )
+    return y.long()
 
 
 # ------------------------------------------------------------------------ data vs. network
@@ -246,7 +362,7 @@ def check_inputs(
             f"{name}: expected real-valued inputs, got dtype {x.dtype}; call {name}.float()"
         )
     if x.is_floating_point() and not all_finite(x):
-        raise ValueError(f"{name}: contains NaN or inf; remove or impute those rows")
+        check_finite(x, name)  # names the first bad row and column
     if net is None:
         return x.shape[0]
     spec = net_spec(net) if spec is None else spec
@@ -379,8 +495,8 @@ def check_data(
         )
     if y.is_complex():
         raise TypeError(f"{y_name}: expected real targets, got dtype {y.dtype}")
-    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
-        raise ValueError(f"{y_name}: contains NaN or inf; remove or impute those rows")
+    if y.is_floating_point():
+        check_finite(y, y_name)
     if spec is not None and spec.device is not None and y.device != spec.device:
         raise ValueError(
             f"{y_name}: is on {y.device} but the network is on {spec.device}; "
@@ -388,10 +504,17 @@ def check_data(
         )
     if likelihood is not None:
         o = spec.out_width if spec is not None else None
-        if o is not None:
-            like = torch.zeros((), dtype=spec.dtype or torch.float32, device=y.device)
-            # a zero-memory stand-in for the outputs (N, O): the likelihood checks the targets
-            likelihood.validate(like.expand(n, o), y)
-        elif y.dim() == 1 or (y.dim() == 2 and y.shape[1] == 1):
-            likelihood.prepare_target(y, n)
+        try:
+            if o is not None:
+                like = torch.zeros((), dtype=spec.dtype or torch.float32, device=y.device)
+                # a zero-memory stand-in for the outputs (N, O): the likelihood checks the targets
+                # (class labels: `check_labels` against the network's O outputs)
+                likelihood.validate(like.expand(n, o), y)
+            elif y.dim() == 1 or (y.dim() == 2 and y.shape[1] == 1):
+                likelihood.prepare_target(y, n)
+        except ValueError as err:  # the likelihood says "y:"; name the caller's argument
+            msg = str(err)
+            if y_name != "y" and msg.startswith("y:"):
+                raise ValueError(y_name + msg[1:]) from None
+            raise
     return n

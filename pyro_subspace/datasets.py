@@ -31,6 +31,8 @@ import torch
 from sklearn.datasets import load_diabetes, load_digits
 from sklearn.model_selection import train_test_split
 
+from ._checks import check_finite, check_labels
+
 __all__ = ["IN_BETWEEN_CLUSTERS", "TASKS", "TOY_INTERVALS", "Dataset", "diabetes", "digits"]
 __all__ += ["from_arrays", "from_csv", "in_between", "load", "toy_features", "toy_regression"]
 
@@ -300,12 +302,29 @@ def from_arrays(
             indices ``0..C-1`` for classification (the split is then stratified).
         task: ``"regression"`` or ``"classification"``. name: the dataset's name.
         seed, test_fraction, standardize: as in :func:`diabetes`.
+
+    Raises:
+        ValueError: a NaN or inf in ``x`` or ``y`` (the first bad row and column are named, as
+            :func:`from_csv` names the cell; standardisation would spread it over a whole
+            column or every target), or a class label that is not an integer ``>= 0``
+            (``0.5``, ``-1``: never truncated; whole-number floats such as ``1.0`` pass).
     """
     if task not in TASKS:
         raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y)
     if x.ndim != 2 or y.ndim != 1 or x.shape[0] != y.shape[0]:
         raise ValueError(f"x, y: expected shapes (N, d) and (N,), got {x.shape} and {y.shape}")
+    if y.dtype.kind not in "biuf":
+        raise TypeError(
+            f"y: expected numeric targets, got dtype {y.dtype}; map class names to 0..C-1 "
+            "first (from_csv does this for a file)"
+        )
+    check_finite(x, "x", "remove or impute that row before from_arrays")
+    if task == "classification":
+        y = check_labels(torch.as_tensor(y), "y").numpy()
+    else:
+        y = y.astype(np.float64)
+        check_finite(y, "y", "remove or impute that row before from_arrays")
     return _split(name, task, x, y, seed, test_fraction, standardize)
 
 
@@ -335,7 +354,7 @@ def from_csv(
     if task not in TASKS:
         raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
     _check_fraction(test_fraction)
-    with open(path, newline="") as fh:
+    with open(path, newline="", encoding="utf-8-sig") as fh:  # utf-8-sig: Excel's BOM
         reader = csv.reader(fh, delimiter=delimiter)
         (_, header), *records = [(reader.line_num, r) for r in reader if r] or [(0, [])]
     header, rows = [h.strip() for h in header], [r for _, r in records]

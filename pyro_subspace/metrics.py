@@ -11,8 +11,9 @@ for the computation); scalar metrics come back as Python floats. Single-output r
 may be ``(N,)`` or ``(N, 1)``: both are read as ``(N,)``, never broadcast to ``(N, N)``; likewise
 draws ``(S, N)`` or ``(S, N, 1)``. Classification takes ``probs`` of shape ``(N, C)`` (entries in
 [0, 1], rows summing to 1 within ``max(1e-3, C * eps(dtype))``) and integer labels ``y`` of shape
-``(N,)`` or ``(N, 1)`` in ``[0, C)``. Every function validates its input before any work and raises
-``TypeError``/``ValueError`` naming the offending argument.
+``(N,)`` or ``(N, 1)`` in ``[0, C)`` (whole-number floats pass; a fraction is an error, never
+truncated: `_checks.check_labels`, as for training targets). Every function validates its input
+before any work and raises ``TypeError``/``ValueError`` naming the offending argument.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from sklearn.metrics import roc_auc_score
 from torch import Tensor
 from torch.distributions import Normal
 
-from ._checks import check_int, probability
+from ._checks import check_int, check_labels, probability
 
 #: `categorical_nll` clamps probabilities to at least this before the log, so a zero probability
 #: of the true class costs ``-log(1e-12) ≈ 27.6`` nats instead of ``inf``.
@@ -49,9 +50,10 @@ def _shaped(
         "float": not x.is_floating_point(),
         "real": x.is_complex() or x.dtype == torch.bool,
         "int": x.is_floating_point() or x.is_complex() or x.dtype == torch.bool,
+        "label": x.is_complex(),  # integers, bools, whole-number floats: `check_labels`
     }[kind]
     if bad_kind:
-        what = "integer class labels" if kind == "int" else f"a {kind}-valued tensor"
+        what = "integer class labels" if kind in ("int", "label") else f"a {kind}-valued tensor"
         raise TypeError(f"{name}: expected {what}, got dtype {x.dtype}")
     ndim, squeeze, desc = _LAYOUTS[layout]
     v = x[..., 0] if squeeze and x.dim() == ndim + 1 and x.shape[-1] == 1 else x
@@ -134,14 +136,10 @@ def _classification(probs: object, y: object) -> tuple[Tensor, Tensor]:
     """Validate probs (N, C) and labels y (N,) or (N, 1) in [0, C); return (probs, y as long)."""
     p = _probs(probs)
     n, c = p.shape
-    t = _shaped(y, "y", "N", "int", (n,), f"probs (N, C) = {(n, c)}")
+    t = _shaped(y, "y", "N", "label", (n,), f"probs (N, C) = {(n, c)}")
     if t.device != p.device:
         raise ValueError(f"y: expected probs' device {p.device}, got {t.device}")
-    if bool(((t < 0) | (t >= c)).any()):
-        raise ValueError(
-            f"y: expected labels in [0, {c}), got values in [{int(t.min())}, {int(t.max())}]"
-        )
-    return p, t.long()
+    return p, check_labels(t, "y", c, why=f" for probs with C = {c} columns")
 
 
 def gaussian_nll(mean: Tensor, var: Tensor, y: Tensor) -> float:

@@ -442,7 +442,10 @@ def test_interval_validation():
         (PROBS[:, 0], LABELS, ValueError, r"^probs: expected shape \(N, C\)"),
         (PROBS[..., None], LABELS, ValueError, r"^probs: expected shape \(N, C\)"),
         (PROBS.double().numpy(), LABELS, TypeError, r"^probs: expected a torch.Tensor"),
-        (PROBS, LABELS.float(), TypeError, r"^y: expected integer class labels"),
+        # whole-number float labels pass, as training targets do (test_labels_and_arrays);
+        # a fraction is an error, never truncated
+        (PROBS, LABELS.float() + 0.5, ValueError, r"^y: class labels must be integers"),
+        (PROBS, LABELS.cfloat(), TypeError, r"^y: expected integer class labels"),
         (PROBS, LABELS + 4, ValueError, r"^y: expected labels in \[0, 4\)"),
         (PROBS, LABELS - 1, ValueError, r"^y: expected labels in \[0, 4\)"),
         (

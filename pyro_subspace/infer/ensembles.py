@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .. import _checks
+from .. import _checks, rng
 from ..flat import eval_mode
-from ..likelihoods import Likelihood, check_likelihood
+from ..likelihoods import Bernoulli, Likelihood, check_likelihood
 from ..subspaces import SWACollector
 from ..train import fit_map
 
@@ -44,6 +44,8 @@ class MixturePredictor:
     """
 
     likelihood: Likelihood
+    #: the members' common output width read from their structure (`output_width`), or None
+    _out_width: int | None = None
 
     def components(
         self, x: torch.Tensor, **kwargs: object
@@ -86,24 +88,52 @@ class MixturePredictor:
         ``O`` outputs of each point; classification the log mixture probability of the label
         (clamped at ``1e-12``).
         """
+        y = self.check_targets(x, y)  # before any forward pass
         weights, comp = self.components(x, **kwargs)
+        return self._log_prob_of(weights, comp, y)
+
+    def _log_prob_of(self, weights, comp, y: torch.Tensor, y_name: str = "y") -> torch.Tensor:
+        """`log_prob` from ``(weights, comp)`` for targets checked by `check_targets`."""
         log_w = weights.clamp_min(1e-300).log()
         if self.is_regression:
             means, variances = comp
-            yy = _targets_like(y, means.shape[1:])
+            yy = _targets_like(y, means.shape[1:], y_name)
             log_p = torch.distributions.Normal(means, variances.sqrt()).log_prob(yy).sum(-1)
             return torch.logsumexp(log_w[:, None] + log_p, dim=0)
         probs = torch.einsum("m,m...->...", weights, comp)
-        if not isinstance(y, torch.Tensor):
-            raise TypeError(f"y: expected a torch.Tensor of labels, got {type(y).__name__}")
-        y = y.reshape(-1)
-        if y.shape[0] != probs.shape[0]:
-            raise ValueError(f"y: expected {probs.shape[0]} labels, got shape {tuple(y.shape)}")
         if probs.dim() == 1:  # Bernoulli
+            y = _checks.check_labels(y, y_name, 2, probs.shape[0])
             p = torch.where(y.to(probs.device).bool(), probs, 1 - probs)
-        else:
-            p = probs.gather(1, y.to(probs.device).long()[:, None]).squeeze(1)
+        else:  # the range again, for members whose width their structure did not tell
+            y = _checks.check_labels(y, y_name, probs.shape[-1], probs.shape[0])
+            p = probs.gather(1, y.to(probs.device)[:, None]).squeeze(1)
         return p.clamp_min(1e-12).log()
+
+    def check_targets(
+        self, x: object, y: object, x_name: str = "x", y_name: str = "y"
+    ) -> torch.Tensor:
+        """Check targets ``y`` for inputs ``x`` before any forward pass; return them.
+
+        Classification: `_checks.check_labels` (one integer label per row of ``x`` in
+        ``[0, C)``, ``C`` the members' output width when their structure tells it, 2 for
+        `Bernoulli`; whole-number floats pass, fractions are errors), as int64. Regression: a
+        real tensor of finite targets, one (row) per row of ``x``.
+        """
+        n = _checks.check_inputs(None, x, x_name)
+        if not self.is_regression:
+            c = 2 if isinstance(self.likelihood, Bernoulli) else self._out_width
+            return _checks.check_labels(y, y_name, c, n, x_name=x_name, why=_why(c, self))
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"{y_name}: expected a torch.Tensor of targets, got {type(y).__name__}")
+        if y.is_complex() or y.dtype == torch.bool:
+            raise TypeError(f"{y_name}: expected real-valued targets, got dtype {y.dtype}")
+        if y.dim() == 0 or y.shape[0] != n:
+            raise ValueError(
+                f"{y_name}: expected {n} targets, one per row of {x_name}, got shape "
+                f"{tuple(y.shape)}"
+            )
+        _checks.check_finite(y, y_name)
+        return y
 
 
 @dataclass
@@ -146,6 +176,9 @@ def train_ensemble(
 
     For each seed ``s``: ``torch.manual_seed(s)``, ``net = make_net()`` (a fresh random
     initialisation), then `fit_map` with ``seed=s`` (minibatch order) and ``fit_map_kwargs``.
+    The seeding is local to the call: torch's global generators (CPU and CUDA) are afterwards
+    where the caller left them, so the members depend on their seeds only and the caller's
+    later draws on the caller's own seed only (NumPy's and Python's generators are not seeded).
     With ``collector=True`` a copy of each trained net then runs ``swa_epochs`` of constant-rate
     SGD (`fit_map` with ``epochs=0``) collecting SWAG statistics in a `SWACollector`, the
     MultiSWAG recipe (Wilson & Izmailov, 2020): SWAG around each independently trained mode.
@@ -191,21 +224,23 @@ def train_ensemble(
     swa_kwargs = {k: v for k, v in fit_map_kwargs.items() if k in swa_keys}
     nets, liks, cols, losses = [], [], [], []
     for s in tqdm(seeds, desc="ensemble", disable=not progress, leave=False):
-        torch.manual_seed(s)
-        net = make_net()
-        if not isinstance(net, nn.Module):
-            raise TypeError(f"make_net: returned {type(net).__name__}, not a torch.nn.Module")
-        lik = copy.deepcopy(likelihood) if learnable else likelihood
-        history = fit_map(net, lik, x, y, seed=s, progress=False, **fit_map_kwargs)
-        if collector:
-            swag_net = copy.deepcopy(net)
-            col = SWACollector(swag_net, max_snapshots=max_snapshots)
-            lr = fit_map_kwargs.get("lr", 1e-2) if swa_lr is None else swa_lr
-            history = history + fit_map(
-                swag_net, lik, x, y, epochs=0, swa_epochs=swa_epochs, swa_lr=lr,
-                collector=col, seed=s, progress=False, **swa_kwargs,
-            )  # fmt: skip
-            cols.append(col)
+        # the member's draws from torch's global generator (initialisation, dropout) follow
+        # torch.manual_seed(s); the caller's generators are left as they were
+        with rng.seeded(s, numpy=False, python=False):
+            net = make_net()
+            if not isinstance(net, nn.Module):
+                raise TypeError(f"make_net: returned {type(net).__name__}, not a torch.nn.Module")
+            lik = copy.deepcopy(likelihood) if learnable else likelihood
+            history = fit_map(net, lik, x, y, seed=s, progress=False, **fit_map_kwargs)
+            if collector:
+                swag_net = copy.deepcopy(net)
+                col = SWACollector(swag_net, max_snapshots=max_snapshots)
+                lr = fit_map_kwargs.get("lr", 1e-2) if swa_lr is None else swa_lr
+                history = history + fit_map(
+                    swag_net, lik, x, y, epochs=0, swa_epochs=swa_epochs, swa_lr=lr,
+                    collector=col, seed=s, progress=False, **swa_kwargs,
+                )  # fmt: skip
+                cols.append(col)
         nets.append(net)
         liks.append(lik)
         losses.append(history)
@@ -237,6 +272,7 @@ class DeepEnsemble(MixturePredictor):
         self, nets: Sequence[nn.Module], likelihood: Likelihood | Sequence[Likelihood]
     ) -> None:
         self.nets = _check_nets(nets)
+        self._out_width = output_width(self.nets, "nets")
         self.likelihoods = _check_likelihoods(likelihood, len(self.nets))
         self.likelihood = self.likelihoods[0]
 
@@ -253,24 +289,55 @@ class DeepEnsemble(MixturePredictor):
         return _uniform(len(outs), x), member_predictives(self.likelihoods, outs)
 
 
+def output_width(nets: Sequence[nn.Module], name: str = "nets") -> int | None:
+    """The output width ``O`` the members share, read from their structure (`_checks.net_spec`,
+    no forward pass); ``None`` when no member's structure tells it. Members whose widths differ
+    are a ``ValueError`` naming ``name``: a mixture needs one output space."""
+    widths = [(i, _checks.net_spec(net).out_width) for i, net in enumerate(nets)]
+    known = [(i, w) for i, w in widths if w is not None]
+    for i, w in known[1:]:
+        if w != known[0][1]:
+            raise ValueError(
+                f"{name}: member {i} gives {w} output(s) but member {known[0][0]} gives "
+                f"{known[0][1]}; the members of a mixture need the same output width"
+            )
+    return known[0][1] if known else None
+
+
+def _why(c: int | None, predictor: object) -> str:
+    if c is None:
+        return ""
+    if isinstance(getattr(predictor, "likelihood", None), Bernoulli):
+        return " (Bernoulli targets must be 0 or 1)"
+    return f" for members with {c} outputs"
+
+
 def member_predictives(
-    likelihoods: Sequence[Likelihood], outputs: Sequence[torch.Tensor]
+    likelihoods: Sequence[Likelihood], outputs: Sequence[torch.Tensor], name: str = "nets"
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-component predictives from network outputs.
 
     Args:
         likelihoods: one `Likelihood` per entry of ``outputs`` (all of the same kind).
         outputs: network outputs, each ``(..., N, O)``; leading dimensions (draws) are flattened
-            into the component dimension.
+            into the component dimension. Outputs of different widths (members whose structure
+            did not tell it, `output_width`) are a ``ValueError`` naming ``name``.
 
     Returns:
         Probabilities ``(M, N, C)`` / ``(M, N)``, or ``(means, variances)`` ``(M, N, O)`` each,
         float64, ``M`` the total number of output rows.
     """
-    comps = []
-    for lik, out in zip(likelihoods, outputs):
+    comps, first = [], None
+    for i, (lik, out) in enumerate(zip(likelihoods, outputs)):
         out = out.detach()
         out = out.unsqueeze(-1) if out.dim() == 1 else out
+        first = out.shape[-2:] if first is None else first
+        if out.shape[-2:] != first:
+            raise ValueError(
+                f"{name}: member {i} gives outputs of shape (N, O) = {tuple(out.shape[-2:])} but "
+                f"member 0 gives {tuple(first)}; the members of a mixture need the same output "
+                "width"
+            )
         dist = lik.predictive_from_samples(out.reshape(-1, *out.shape[-2:]))
         comps.append((dist.mean, dist.variance) if lik.is_regression else dist.probs)
     if likelihoods[0].is_regression:
@@ -311,11 +378,11 @@ def _uniform(m: int, like: torch.Tensor) -> torch.Tensor:
     return torch.full((m,), 1.0 / m, dtype=torch.float64, device=like.device)
 
 
-def _targets_like(y: object, shape: torch.Size) -> torch.Tensor:
+def _targets_like(y: object, shape: torch.Size, name: str = "y") -> torch.Tensor:
     """Regression targets as ``(N, O)`` float64 for component means of shape ``(N, O)``."""
     if not isinstance(y, torch.Tensor):
-        raise TypeError(f"y: expected a torch.Tensor, got {type(y).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(y).__name__}")
     n, o = shape
     if y.numel() != n * o or y.shape[0] != n:
-        raise ValueError(f"y: expected {n} targets with {o} output(s), got {tuple(y.shape)}")
+        raise ValueError(f"{name}: expected {n} targets with {o} output(s), got {tuple(y.shape)}")
     return y.reshape(n, o).double()

@@ -49,6 +49,7 @@ from .ensembles import (
     _check_nets,
     check_inputs,
     member_predictives,
+    output_width,
 )
 from .laplace import AutoSubspaceLaplace, check_grid, linearized_moments
 
@@ -107,6 +108,7 @@ class MixtureOfLaplace(MixturePredictor):
         chunk_size: int = 1024,
     ) -> None:
         self.nets = _check_nets(nets)
+        self._out_width = output_width(self.nets, "nets")  # one output space
         k = len(self.nets)
         self.likelihoods = _check_likelihoods(likelihood, k)
         self.likelihood = self.likelihoods[0]
@@ -301,6 +303,7 @@ class MixtureOfLaplace(MixturePredictor):
         if x_val is None or y_val is None:
             raise ValueError(f"x_val, y_val: the {method!r} method needs validation data")
         check_inputs(x_val, "x_val", nets=self.nets)
+        y_val = self.check_targets(x_val, y_val, "x_val", "y_val")  # labels: before any work
         grid = check_grid(grid)
         if method == "confidence":
             if self.is_regression:
@@ -443,8 +446,7 @@ class MixtureOfLaplace(MixturePredictor):
         return linearized_moments(guide, x, diagonal=diagonal)
 
     def _log_prob_from(self, weights, comp, y) -> torch.Tensor:
-        holder = _Fixed(self.likelihood, weights, comp)
-        return holder.log_prob(None, y)
+        return self._log_prob_of(weights, comp, y, "y_val")
 
 
 class LastLayerLaplace(MixtureOfLaplace):
@@ -458,16 +460,6 @@ class LastLayerLaplace(MixtureOfLaplace):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
         super().__init__([net], likelihood, **kwargs)
-
-
-class _Fixed(MixturePredictor):
-    """Wraps precomputed ``(weights, comp)`` to reuse `MixturePredictor.log_prob`."""
-
-    def __init__(self, likelihood, weights, comp) -> None:
-        self.likelihood, self._out = likelihood, (weights, comp)
-
-    def components(self, x, **kwargs):
-        return self._out
 
 
 def _from_moments(lik: Likelihood, f_mean: torch.Tensor, f_cov: torch.Tensor):

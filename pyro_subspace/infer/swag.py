@@ -42,7 +42,13 @@ from .._checks import check_int, positive_float, positive_int
 from ..flat import eval_mode
 from ..likelihoods import Likelihood
 from ..subspaces import SWACollector
-from .ensembles import MixturePredictor, _check_likelihoods, check_inputs, member_predictives
+from .ensembles import (
+    MixturePredictor,
+    _check_likelihoods,
+    check_inputs,
+    member_predictives,
+    output_width,
+)
 
 __all__ = ["SWAG", "MultiSWAG"]
 
@@ -112,6 +118,7 @@ class SWAG(MixturePredictor, nn.Module):
         self.low_rank = bool(low_rank)
         self.num_samples = _check_positive_int(num_samples, "num_samples")
         self.seed = _check_seed(seed)
+        self._out_width = output_width([self.net], "collector")
 
     def sample_weights(
         self, num_samples: int | None = None, seed: int | None = None
@@ -197,9 +204,11 @@ class MultiSWAG(MixturePredictor, nn.Module):
             SWAG(c, lik, scale, low_rank, num_samples, None if seed is None else seed + k)
             for k, (c, lik) in enumerate(zip(collectors, liks))
         ]
+        out_width = output_width([m.net for m in members], "collectors")  # one output space
         super().__init__()
         self.members = nn.ModuleList(members)
         self.likelihood = liks[0]
+        self._out_width = out_width
 
     def components(self, x: torch.Tensor, num_samples: int | None = None, seed: int | None = None):
         """Weights ``1/(K·S)`` and the predictive of every draw of every member."""
@@ -207,6 +216,6 @@ class MultiSWAG(MixturePredictor, nn.Module):
         for k, member in enumerate(self.members):
             outs.append(member.outputs(x, num_samples, None if seed is None else seed + k))
             liks.append(member.likelihood)
-        comp = member_predictives(liks, outs)
+        comp = member_predictives(liks, outs, "collectors")
         m = sum(o.shape[0] for o in outs)
         return torch.full((m,), 1.0 / m, dtype=torch.float64, device=x.device), comp

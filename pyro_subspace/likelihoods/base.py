@@ -30,7 +30,7 @@ from pyro import sample as pyro_sample
 from pyro.distributions import Distribution
 from pyro.nn import PyroModule
 
-from .._checks import positive_float
+from .._checks import check_finite, positive_float
 
 #: Ways of turning Gaussian outputs into a predictive (`Likelihood.predictive_from_moments`).
 LINK_APPROXES = ("auto", "closed_form", "probit", "mc")
@@ -94,8 +94,8 @@ class Likelihood(PyroModule):
             raise ValueError(
                 f"y: expected {n} targets (first dimension), got shape {tuple(y.shape)}"
             )
-        if y.is_floating_point() and not torch.isfinite(y).all():
-            raise ValueError("y: contains NaN or inf")
+        if y.is_floating_point():
+            check_finite(y, "y")  # names the first bad row
         if y.dim() == 2 and y.shape[1] == 1:
             y = y.squeeze(-1)
         if y.dim() != 1:

@@ -8,6 +8,7 @@ import torch
 from pyro.distributions import Bernoulli as _Bernoulli
 from pyro.distributions import Distribution
 
+from .._checks import check_labels
 from .._linalg import gaussian_draws
 from .base import Likelihood
 
@@ -19,8 +20,7 @@ class Bernoulli(Likelihood):
 
     def prepare_target(self, y: torch.Tensor, n: int) -> torch.Tensor:
         y = super().prepare_target(y, n)
-        if ((y != 0) & (y != 1)).any():
-            raise ValueError("y: Bernoulli targets must be 0 or 1")
+        check_labels(y, "y", 2, why=" (Bernoulli targets must be 0 or 1)")  # the one label check
         return y.to(torch.get_default_dtype()) if not y.is_floating_point() else y
 
     def distribution(self, outputs: torch.Tensor) -> Distribution:

@@ -8,6 +8,7 @@ import torch
 from pyro.distributions import Categorical as _Categorical
 from pyro.distributions import Distribution
 
+from .._checks import check_labels
 from .._linalg import gaussian_draws
 from .base import Likelihood
 
@@ -23,23 +24,17 @@ class Categorical(Likelihood):
             )
 
     def prepare_target(self, y: torch.Tensor, n: int) -> torch.Tensor:
-        y = super().prepare_target(y, n)
-        if y.is_floating_point():
-            if (y != y.round()).any():
-                raise ValueError("y: class labels must be integers")
-            y = y.long()
-        if (y < 0).any():
-            raise ValueError("y: class labels must be non-negative")
-        return y
+        """Labels as int64 ``(n,)``: integers ``>= 0`` (whole-number floats pass), checked by
+        `_checks.check_labels`, the one check of class labels."""
+        return check_labels(super().prepare_target(y, n), "y")
 
     def distribution(self, outputs: torch.Tensor) -> Distribution:
         return _Categorical(logits=outputs)
 
     def validate(self, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        y = super().validate(outputs, y)
-        if (y >= outputs.shape[-1]).any():
-            raise ValueError(f"y: labels must lie in [0, {outputs.shape[-1]}) for this network")
-        return y
+        self.check_outputs(outputs)
+        y = Likelihood.prepare_target(self, y, outputs.shape[-2])  # shape, NaN
+        return check_labels(y, "y", outputs.shape[-1], why=" for this network")
 
     def mean(self, outputs: torch.Tensor) -> torch.Tensor:
         """Class probabilities, shape ``(..., N, C)``."""
@@ -89,5 +84,6 @@ class Categorical(Likelihood):
 
     def predictive_log_prob(self, predictive: Distribution, y: torch.Tensor) -> torch.Tensor:
         probs = predictive.probs.clamp_min(1e-12)
-        y = self.prepare_target(y, probs.shape[-2]).to(probs.device)
-        return probs.gather(-1, y[:, None].long()).squeeze(-1).log()
+        y = Likelihood.prepare_target(self, y, probs.shape[-2])
+        y = check_labels(y, "y", probs.shape[-1]).to(probs.device)
+        return probs.gather(-1, y[:, None]).squeeze(-1).log()
