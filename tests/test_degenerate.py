@@ -106,3 +106,19 @@ def test_tuning_refuses_keywords_its_method_does_not_use():
         mola.optimize_prior_precision("marglik", x_val=x, y_val=y)
     with pytest.raises(TypeError, match="threshold: not used by method='grid'"):
         mola.optimize_prior_precision("grid", x_val=x, y_val=y, threshold=0.9)
+
+
+def test_an_ensemble_of_one_network_is_an_error_before_any_training():
+    from pyro_subspace.infer import train_ensemble
+
+    x, y = torch.randn(10, 3), torch.randint(0, 2, (10,))
+    shared = nn.Linear(3, 2)
+    before = shared.weight.detach().clone()
+    with pytest.raises(ValueError, match="make_net: members 0 and 1 share parameters"):
+        train_ensemble(lambda: shared, likelihoods.Categorical(), x, y, n_members=2, epochs=1,
+                       progress=False)  # fmt: skip
+    assert torch.equal(shared.weight, before)  # nothing trained
+    body = nn.Linear(3, 4)  # a shared layer is the same mistake
+    with pytest.raises(ValueError, match="share parameters"):
+        train_ensemble(lambda: nn.Sequential(body, nn.Linear(4, 2)), likelihoods.Categorical(),
+                       x, y, n_members=2, epochs=1, progress=False)  # fmt: skip

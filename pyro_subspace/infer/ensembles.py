@@ -222,14 +222,22 @@ def train_ensemble(
     learnable = any(p.requires_grad for p in likelihood.parameters())
     swa_keys = ("weight_decay", "batch_size", "momentum")
     swa_kwargs = {k: v for k, v in fit_map_kwargs.items() if k in swa_keys}
-    nets, liks, cols, losses = [], [], [], []
-    for s in tqdm(seeds, desc="ensemble", disable=not progress, leave=False):
-        # the member's draws from torch's global generator (initialisation, dropout) follow
-        # torch.manual_seed(s); the caller's generators are left as they were
+    # every member is built before any is trained, so that a make_net returning one network
+    # (or networks sharing parameters) is an error before any work; each member's draws from
+    # torch's global generator (initialisation, then dropout and the rest of training) follow
+    # torch.manual_seed(s) as one stream, and the caller's generators are left as they were
+    built = []
+    for s in seeds:
         with rng.seeded(s, numpy=False, python=False):
             net = make_net()
             if not isinstance(net, nn.Module):
                 raise TypeError(f"make_net: returned {type(net).__name__}, not a torch.nn.Module")
+            built.append((net, rng.get_state(numpy=False, python=False)))
+    _check_distinct_members([net for net, _ in built])
+    nets, liks, cols, losses = [], [], [], []
+    for s, (net, state) in zip(tqdm(seeds, desc="ensemble", disable=not progress, leave=False), built):
+        with rng.seeded(s, numpy=False, python=False):
+            rng.set_state(state)  # where make_net left the member's stream
             lik = copy.deepcopy(likelihood) if learnable else likelihood
             history = fit_map(net, lik, x, y, seed=s, progress=False, **fit_map_kwargs)
             if collector:
@@ -245,6 +253,20 @@ def train_ensemble(
         liks.append(lik)
         losses.append(history)
     return TrainedEnsemble(nets, liks, cols if collector else None, losses, seeds)
+
+
+def _check_distinct_members(nets: list[nn.Module]) -> None:
+    """Members are distinct networks: no network twice, no parameter shared between two (an
+    "ensemble" of one network trained K times is not an ensemble)."""
+    owner: dict[int, int] = {}
+    for i, net in enumerate(nets):
+        for p in net.parameters():
+            j = owner.setdefault(id(p), i)
+            if j != i:
+                raise ValueError(
+                    f"make_net: members {j} and {i} share parameters (make_net returned the same "
+                    "network, or networks sharing layers): return a new network on every call"
+                )
 
 
 class DeepEnsemble(MixturePredictor):
