@@ -24,7 +24,11 @@ density, so it is not comparable across temperatures or with untempered models (
 case: ``T = 20`` scored ``−1.6`` against ``−19.8`` for ``T = 1`` while its held-out log
 predictive density was ``−30.5`` against ``−19.2``); on the untempered export the density is
 right and the weights (``1/p`` instead of ``1/p^{1/T}``) are not. `tempered_loo` uses each
-term for its role and returns ``az.loo``'s result type, which ``az.compare`` takes.
+term for its role and returns the LOO result type of its engine, which that engine's
+``compare`` takes: arviz 0.x's ``ELPDData`` (``az.psislw``; ``az.compare``) or, on ArviZ 1.x's
+engine ``arviz_stats``, ``arviz_stats.ELPDData`` (``arviz_stats.compare``). So that the number
+``az.loo`` prints is not taken for it, `to_inference_data` at ``T != 1`` says so once, in a
+``UserWarning`` naming `tempered_loo` and in the ``log_likelihood`` group's attribute ``"loo"``.
 """
 
 from __future__ import annotations
@@ -73,13 +77,17 @@ def to_inference_data(
             ``None``: they come from the caller's global generators, which they advance.
         log_likelihood: ``"tempered"`` (default): ``log p(y_n | θ)/T``, the term whose product
             with the prior the draws follow, which ``az.loo``/``az.waic`` need; or
-            ``"untempered"``: ``log p(y_n | θ)`` (warns when a site is tempered).
+            ``"untempered"``: ``log p(y_n | θ)``. Either way, with ``T != 1`` one
+            ``UserWarning`` says that ``az.loo`` on the export is not the tempered LOO and
+            names `tempered_loo` (which is).
 
     Returns:
         ``arviz.InferenceData`` (arviz 0.x) or ``xarray.DataTree`` (arviz 1.x) with groups
         posterior ``(chain, draw, ...)``, log_likelihood ``(chain, draw, N)`` per observed site
         (as chosen by ``log_likelihood``; attribute ``"log_likelihood"`` says which, e.g.
-        ``"tempered: log p(y_n | theta) / T, T = 2"``), posterior_predictive (draws of the
+        ``"tempered: log p(y_n | theta) / T, T = 2"``; ``"tempered"`` and ``"temperature"``,
+        which `tempered_loo` reads; with ``T != 1`` also ``"loo"``: the warning's note that
+        ``az.loo`` on it is not the tempered LOO), posterior_predictive (draws of the
         observed sites at the same inputs), observed_data, and sample_stats (``lp``: the model's
         log joint as the sampler saw it, i.e. tempered and plate-scaled; ``diverging`` from MCMC
         diagnostics).
@@ -182,13 +190,21 @@ def to_inference_data(
         f"T = {1 / v:.6g}" if len(scales) == 1 else f"{k}: T = {1 / v:.6g}"
         for k, v in scales.items()
     )
-    if log_likelihood == "untempered" and any(v != 1.0 for v in scales.values()):
-        warnings.warn(
-            f"log_likelihood: exporting untempered log p(y_n | theta) while the draws follow "
-            f"the tempered posterior ({temps}); az.loo's importance weights will not match them. "
-            "Use log_likelihood='tempered' for LOO/WAIC.",
-            stacklevel=2,
+    tempered_run = any(v != 1.0 for v in scales.values())
+    loo_note = (
+        f"az.loo on this export is not the tempered LOO ({temps}): its one log-likelihood array "
+        "serves as both the importance weight and the predictive density, right for only one "
+        "of the two roles; use pyro_subspace.convert.tempered_loo(idata) for PSIS-LOO "
+        "comparable across temperatures"
+    )
+    if tempered_run:  # one warning per export, after all chunks
+        untempered = (
+            "log_likelihood: exporting untempered log p(y_n | theta) while the draws follow the "
+            "tempered posterior; az.loo's importance weights will not match them. "
+            if log_likelihood == "untempered"
+            else ""
         )
+        warnings.warn(f"to_inference_data: {untempered}{loo_note}.", UserWarning, stacklevel=2)
     what = (
         "tempered: log p(y_n | theta) / T"
         if log_likelihood == "tempered"
@@ -201,6 +217,8 @@ def to_inference_data(
         attrs["tempered"] = int(log_likelihood == "tempered")
         if len(set(scales.values())) == 1:  # one temperature: `tempered_loo` reads it
             attrs["temperature"] = 1 / next(iter(scales.values()))
+        if tempered_run:
+            attrs["loo"] = loo_note
     return idata
 
 
@@ -209,19 +227,22 @@ def tempered_loo(
     temperature: float | None = None,
     var_name: str | None = None,
     reff: float | None = None,
+    engine: str | None = None,
 ) -> Any:
     """PSIS-LOO of a tempered posterior: ``elpd = Σ_n log p(y_n | y_{−n})``, a predictive density
-    comparable across temperatures and with untempered models (``az.compare`` takes the result).
+    comparable across temperatures and with untempered models (the engine's ``compare`` takes
+    the result: ``az.compare`` on arviz 0.x, ``arviz_stats.compare`` on ArviZ 1.x's engine).
 
     The draws follow ``p_T(t | y) ∝ p(t) Π_n p(y_n | t)^{1/T}`` (Subspace Inference eq. 3), so
     leaving ``y_n`` out reweights draw ``s`` by ``r_sn = p(y_n | t_s)^{−1/T}``; ArviZ's PSIS
-    (``az.psislw``) smooths ``log r``, and the leave-one-out predictive density averages the
-    *untempered* ``p(y_n | t_s)`` under those weights:
-    ``elpd_n = log Σ_s w̃_sn p(y_n | t_s)``. ``az.loo`` has one array for both roles, so on
-    either export it is right only at ``T = 1`` (module docstring).
+    (arviz 0.x's ``az.psislw`` or arviz_stats' ``psislw``) smooths ``log r``, and the
+    leave-one-out predictive density averages the *untempered* ``p(y_n | t_s)`` under those
+    weights: ``elpd_n = log Σ_s w̃_sn p(y_n | t_s)``. ``az.loo`` has one array for both roles,
+    so on either export it is right only at ``T = 1`` (module docstring).
 
     Args:
-        data: ArviZ data with a posterior and a ``log_likelihood`` group, e.g. from
+        data: ArviZ data with a posterior and a ``log_likelihood`` group: an arviz 0.x
+            ``InferenceData`` or an ArviZ 1.x (arviz-base) ``xarray.DataTree``, e.g. from
             `to_inference_data` (tempered or untempered export; its attributes give ``T``).
         temperature: ``T``; default the export's attribute ``"temperature"`` (a
             `to_inference_data` result with one observed site), required otherwise. The
@@ -230,21 +251,25 @@ def tempered_loo(
         var_name: the observed site; default the group's only variable.
         reff: relative efficiency of the draws for PSIS; default as ``az.loo``: the mean ESS
             of the posterior over the number of draws (1 with one chain).
+        engine: whose PSIS and result type: ``"arviz"`` (arviz 0.x), ``"arviz_stats"`` (the
+            engine of ArviZ 1.x, package ``arviz-stats``, which also installs beside arviz 0.x),
+            or ``None`` (default): arviz 0.x if it is installed, else arviz_stats.
 
     Returns:
-        ``az.loo``'s ``ELPDData`` with ``pointwise`` entries: ``elpd_loo``, ``se``, ``p_loo``
-        (``lppd − elpd_loo``), ``n_samples``, ``n_data_points``, ``warning`` (a Pareto ``k``
-        above ArviZ's threshold), ``loo_i`` ``(N,)``, ``pareto_k`` ``(N,)``, ``scale="log"``.
+        With ``engine="arviz"``: arviz 0.x's ``ELPDData`` (``az.compare`` takes it) with
+        ``pointwise`` entries: ``elpd_loo``, ``se``, ``p_loo`` (``lppd − elpd_loo``),
+        ``n_samples``, ``n_data_points``, ``warning`` (a Pareto ``k`` above ArviZ's threshold),
+        ``loo_i`` ``(N,)``, ``pareto_k`` ``(N,)``, ``scale="log"``, ``good_k``.
+        With ``engine="arviz_stats"``: ``arviz_stats.ELPDData`` (``arviz_stats.compare``, i.e.
+        ArviZ 1.x's ``az.compare``, takes it), as ``arviz_stats.loo(..., pointwise=True)``
+        returns it: ``elpd``, ``se``, ``p`` (``lppd − elpd``), ``n_samples``,
+        ``n_data_points``, ``warning``, ``good_k``, ``elpd_i`` and ``pareto_k`` over the
+        observation dimensions of the ``log_likelihood`` variable, ``log_weights`` (the
+        smoothed tempered weights). The two types do not mix in one comparison.
     """
-    psislw = getattr(az, "psislw", None)
-    try:
-        from arviz.stats.stats_utils import ELPDData
-    except ImportError:
-        ELPDData = None
-    if psislw is None or ELPDData is None:  # pragma: no cover - arviz 1.x
-        raise ImportError("tempered_loo: needs arviz 0.x's az.psislw and ELPDData")
-    groups = getattr(data, "groups", None)
-    if not callable(groups) or "log_likelihood" not in groups() or "posterior" not in groups():
+    engine = _loo_engine(engine)
+    names = _group_names(data)
+    if "log_likelihood" not in names or "posterior" not in names:
         raise TypeError(
             f"data: expected ArviZ data with posterior and log_likelihood groups, got "
             f"{type(data).__name__}; convert an MCMC run first: "
@@ -252,7 +277,7 @@ def tempered_loo(
         )
     if reff is not None:
         reff = positive_float(reff, "reff")
-    group = data["log_likelihood"]
+    group = _dataset(data["log_likelihood"])
     names = list(group.data_vars)
     if var_name is None:
         if len(names) != 1:
@@ -266,24 +291,34 @@ def tempered_loo(
             raise ValueError("temperature: not recorded with the data; pass temperature=T")
         temperature = float(attrs["temperature"])
     temperature = positive_float(temperature, "temperature")
-    stacked = group[var_name].stack(__sample__=("chain", "draw"))
-    ll = stacked.values.reshape(-1, stacked.shape[-1]).astype(np.float64)  # (N, S)
+    log_lik = group[var_name].astype(np.float64)  # (chain, draw, *obs)
     if int(attrs.get("tempered", 0)):
-        ll = ll * temperature  # back to log p(y_n | t_s)
+        log_lik = log_lik * temperature  # back to log p(y_n | t_s)
+    stacked = log_lik.stack(__sample__=("chain", "draw"))
+    ll = stacked.values.reshape(-1, stacked.shape[-1])  # (N, S)
     n_points, n_samples = ll.shape
     if n_samples < 2:
         raise ValueError(
             f"data: PSIS-LOO needs at least 2 posterior draws, got {n_samples}; draw more samples"
         )
     if reff is None:
-        posterior = data["posterior"]
-        chains = posterior.sizes["chain"] if "chain" in posterior.sizes else 1
+        posterior = _dataset(data["posterior"])
+        chains = posterior.sizes.get("chain", 1)
         reff = 1.0
         if chains > 1:
-            ess = az.ess(posterior, method="mean")
+            if engine == "arviz":
+                ess = az.ess(posterior, method="mean")
+            else:
+                import arviz_stats  # noqa: F401  (registers the .azstats accessor)
+
+                ess = posterior.azstats.ess(method="mean")
             reff = float(np.hstack([ess[v].values.ravel() for v in ess.data_vars]).mean())
             reff /= n_samples
-    log_w, pareto_k = psislw(-ll / temperature, reff)
+    if engine == "arviz_stats":
+        return _tempered_loo_arviz_stats(log_lik, var_name, temperature, reff)
+    from arviz.stats.stats_utils import ELPDData
+
+    log_w, pareto_k = az.psislw(-ll / temperature, reff)
     loo_i = logsumexp(np.asarray(log_w) + ll, axis=-1)
     lppd = float((logsumexp(ll, axis=-1) - np.log(n_samples)).sum())
     elpd = float(loo_i.sum())
@@ -300,6 +335,59 @@ def tempered_loo(
             "pareto_k", "scale", "good_k",
         ],
     )  # fmt: skip
+
+
+def _tempered_loo_arviz_stats(log_lik: Any, var_name: str, temperature: float, reff: float):
+    """``arviz_stats.loo`` on the untempered ``log_lik`` ``(chain, draw, *obs)`` with the PSIS
+    weights of the tempered term ``log_lik / T`` (arviz_stats' psislw negates its input)."""
+    import arviz_stats
+    import xarray as xr
+
+    log_lik = log_lik.rename(var_name)
+    log_w, pareto_k = (log_lik / temperature).azstats.psislw(r_eff=reff, dim=["chain", "draw"])
+    tree = xr.DataTree.from_dict({"log_likelihood": xr.Dataset({var_name: log_lik})})
+    return arviz_stats.loo(
+        tree, pointwise=True, var_name=var_name, reff=reff, log_weights=log_w, pareto_k=pareto_k
+    )
+
+
+def _loo_engine(engine: str | None) -> str:
+    """``"arviz"`` (arviz 0.x's PSIS) or ``"arviz_stats"``, checked to be importable."""
+    if engine not in (None, "arviz", "arviz_stats"):
+        raise ValueError(f"engine: expected None, 'arviz' or 'arviz_stats', got {engine!r}")
+    arviz0 = int(az.__version__.split(".")[0]) < 1 and hasattr(az, "psislw")
+    if engine == "arviz" or (engine is None and arviz0):
+        if not arviz0:
+            raise ImportError(
+                f"tempered_loo: engine='arviz' needs arviz 0.x (az.psislw); arviz "
+                f"{az.__version__} is installed: use engine='arviz_stats' (pip install arviz-stats)"
+            )
+        return "arviz"
+    try:
+        import arviz_stats  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            "tempered_loo: needs a PSIS engine: arviz 0.x (pip install 'arviz<1') or "
+            f"arviz_stats (pip install arviz-stats, ArviZ 1.x's engine); arviz {az.__version__} "
+            "is installed and arviz_stats cannot be imported"
+        ) from err
+    return "arviz_stats"
+
+
+def _group_names(data: Any) -> list[str]:
+    """The groups of an arviz 0.x ``InferenceData`` or an ``xarray.DataTree`` (ArviZ 1.x)."""
+    groups = getattr(data, "groups", None)
+    if callable(groups):  # InferenceData.groups()
+        return list(groups())
+    children = getattr(data, "children", None)  # DataTree: its child nodes
+    return list(children) if isinstance(children, Mapping) else []
+
+
+def _dataset(group: Any) -> Any:
+    """An ``xarray.Dataset`` of a group (a ``DataTree`` node is converted)."""
+    import xarray as xr
+
+    return group if isinstance(group, xr.Dataset) else group.to_dataset()
 
 
 def _data_array(values: np.ndarray, name: str) -> Any:

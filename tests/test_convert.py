@@ -7,6 +7,12 @@ from torch import nn
 
 from pyro_subspace import SubspaceNet, convert, likelihoods, subspaces
 
+# the fixture's model has T = 2: every export warns that az.loo on it is not the tempered LOO
+# (test_at_t_not_one_one_warning_names_tempered_loo checks it); the other tests need not see it
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:to_inference_data. az.loo on this export is not the tempered LOO:UserWarning"
+)
+
 
 @pytest.fixture(scope="module")
 def fitted():
@@ -112,3 +118,55 @@ def test_samples_path_and_errors(fitted):
         convert.to_inference_data(samples={"t": flat["t"] * float("nan")}, model=model, args=(x, y))
     with pytest.raises(ValueError, match="not a sample site"):
         convert.to_inference_data(samples={"u": flat["t"]}, model=model, args=(x, y))
+
+
+def _loo_warnings(caught):
+    return [w for w in caught if issubclass(w.category, UserWarning) and "az.loo" in str(w.message)]
+
+
+def test_at_t_not_one_one_warning_names_tempered_loo(fitted):
+    """T = 2: az.loo on the export is not the tempered LOO; one warning per export (not one per
+    chunk of draws) and the same note in the log_likelihood group's attributes."""
+    import warnings
+
+    _, mcmc, _, _ = fitted
+    for log_likelihood in ("tempered", "untempered"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            idata = convert.to_inference_data(
+                mcmc, draws_per_chunk=7, log_likelihood=log_likelihood
+            )  # 18 chunks
+        found = _loo_warnings(caught)
+        assert len(found) == 1, [str(w.message) for w in caught]
+        message = str(found[0].message)
+        assert "az.loo on this export is not the tempered LOO" in message
+        assert "tempered_loo" in message and "T = 2" in message
+        assert found[0].filename == __file__  # points at the caller
+        if log_likelihood == "untempered":  # the one warning also says the weights are wrong
+            assert "untempered" in message
+        note = idata["log_likelihood"].attrs["loo"]
+        assert note in message and "tempered_loo" in note
+    elpd = convert.tempered_loo(idata)  # reads T from the attributes; either engine's type
+    assert np.isfinite(float(getattr(elpd, "elpd_loo", getattr(elpd, "elpd", np.nan))))
+
+
+def test_at_t_one_no_loo_warning_and_no_note():
+    import warnings
+
+    import pyro
+    import pyro.distributions as dist
+
+    y = torch.tensor([0.3, -0.1, 0.8, 0.2])
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+
+    samples = {"mu": torch.linspace(-1.0, 1.0, 50)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        idata = convert.to_inference_data(samples=samples, model=model, args=(y,), seed=0)
+    assert not _loo_warnings(caught), [str(w.message) for w in caught]
+    assert "loo" not in idata["log_likelihood"].attrs
+    assert idata["log_likelihood"].attrs["temperature"] == 1.0
