@@ -103,7 +103,7 @@ class TestDiagonalLaplace(BaseGuideTestCase):
     """The mean-field baseline: the diag structure on all weights."""
 
     def build(self, net, likelihood):
-        return DiagonalLaplace(net, likelihood, prior_precision=2.0)
+        return DiagonalLaplace(net, likelihood, prior_precision=2.0).guide
 
     def linear_fit(self):
         from contracts.guide import SIGMA, linear_problem

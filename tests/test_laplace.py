@@ -277,7 +277,9 @@ def test_validation_grid_picks_the_best_refit():
     grid = torch.logspace(-3, 3, 13, dtype=torch.float64)
     scores = validation_log_likelihood(guide, x[25:], y[25:], grid)
     for lam, score in zip(grid, scores):  # second path: refit at λ and score by hand
-        refit = AutoSubspaceLaplace(model, prior_precision=float(lam))
+        # a model of its own: the prior lives in the model, which the first guide still uses
+        own = SubspaceNet(net, sub, likelihoods.Gaussian(0.25))
+        refit = AutoSubspaceLaplace(own, prior_precision=float(lam))
         mean, var = _mean_var(
             linearized_predictive(refit.fit(x[:25], y[:25], find_map=False), x[25:])
         )

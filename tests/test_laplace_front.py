@@ -121,12 +121,18 @@ def test_nothing_is_accepted_and_then_ignored():
     assert torch.equal(a.model.subspace.basis, b.model.subspace.basis)
 
 
-def test_calling_the_guide_with_predictive_keywords_names_predict():
+def test_calling_la_predicts_and_the_pyro_guide_is_la_guide():
+    from pyro.infer import Predictive
+
     net, x, y = classifier()
-    la = Laplace(net, likelihoods.Categorical(), "last_layer").fit(x, y)
-    with pytest.raises(TypeError, match="la.predict"):
-        la(x, pred_type="glm", link_approx="probit")
-    assert la(x)["t"].shape == (la.n_params,)  # the Pyro guide call: one draw of t
+    la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=LAM).fit(x, y)
+    probs = la(x, pred_type="glm", link_approx="probit")  # laplace-torch's most common line
+    torch.testing.assert_close(probs, la.predict(x, link_approx="probit").probs, rtol=0, atol=0)
+    assert la.guide(x)["t"].shape == (la.n_params,)  # the Pyro guide call: one draw of t
+    draws = Predictive(la.model, guide=la.guide, num_samples=3)(x)
+    assert draws["t"].shape == (3, 1, la.n_params)
+    with pytest.raises(TypeError, match="la.guide"):  # la itself is not a guide
+        Predictive(la.model, guide=la, num_samples=3)(x)
 
 
 def test_predict_and_tuning_take_laplace_torch_names():
@@ -134,7 +140,7 @@ def test_predict_and_tuning_take_laplace_torch_names():
     la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=LAM).fit(x, y)
     probit = la.predict(x, pred_type="glm", link_approx="probit").probs
     torch.testing.assert_close(probit, la.predict(x, link_approx="probit").probs)
-    with pytest.raises(ValueError, match="pred_type: only 'glm'.*Predictive"):
+    with pytest.raises(ValueError, match="pred_type: only 'glm'.*la\\(x, pred_type='nn'\\)"):
         la.predict(x, pred_type="nn")
     torch.manual_seed(5)
     mc_a = la.predict(x, link_approx="mc", n_samples=30).probs
@@ -183,17 +189,24 @@ def test_predict_takes_a_dataset_or_dataloader_of_the_inputs():
         assert torch.equal(la.predict(data, link_approx="probit").probs, want)
 
 
-def test_sample_draws_all_weights_with_the_subset_from_the_posterior():
+def test_sample_draws_like_laplace_torch_last_layer_or_all_weights():
     net, x, y = classifier()
     la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=LAM).fit(x, y)
     gen = torch.Generator().manual_seed(0)
-    draws = la.sample(20000, generator=gen)  # (S, D)
+    draws = la.sample(20000, generator=gen)  # (S, K): laplace-torch's LLLaplace.sample
     w = torch.nn.utils.parameters_to_vector(net.parameters()).detach()
-    assert draws.shape == (20000, 45) and torch.equal(draws[:, :24], w[:24].expand(20000, 24))
-    last = draws[:, 24:] - w[24:]
+    assert draws.shape == (20000, 21)
+    last = draws - w[24:]
     cov = la.posterior_covariance
     # sample covariance within Monte Carlo error: sd of an entry is about sqrt(2/S) of scale
     err = (last.T @ last / 20000 - cov).abs().max() / cov.diagonal().max()
     assert err < 5 * (2 / 20000) ** 0.5
+    assert abs(float(last.mean(0).abs().max())) < 5 * float(cov.diagonal().max() / 20000) ** 0.5
     again = la.sample(20000, generator=torch.Generator().manual_seed(0))
     assert torch.equal(again, draws)
+    # a subnetwork given by indices: (S, D), the subset drawn, the rest at the MAP
+    indices = torch.arange(24, 45)
+    sub = Laplace(net, likelihoods.Categorical(), indices, prior_precision=LAM).fit(x, y)
+    full = sub.sample(20000, generator=torch.Generator().manual_seed(0))
+    assert full.shape == (20000, 45) and torch.equal(full[:, :24], w[:24].expand(20000, 24))
+    torch.testing.assert_close(full[:, 24:], draws, rtol=0, atol=1e-12)  # the same posterior

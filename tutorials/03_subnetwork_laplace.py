@@ -103,8 +103,9 @@ def laplace(net, lik, x, y, subspace, prior_precision):
 
 # %% [markdown]
 # Coming from laplace-torch? `infer.Laplace(net, likelihood, subset_of_weights, hessian_structure,
-# prior_precision)` builds the same guide in one line (a Pyro autoguide: `Predictive(la.model,
-# guide=la)` works); `hessian_structure` is `"full"`, `"diag"` or `"lowrank"` (top-`rank` GGN
+# prior_precision)` builds the same posterior in one line, with laplace-torch's names (`la(x)`
+# predicts) and the Pyro autoguide as `la.guide` (`Predictive(la.model, guide=la.guide)`);
+# `hessian_structure` is `"full"`, `"diag"` or `"lowrank"` (top-`rank` GGN
 # eigenpairs plus the prior as an isotropic remainder). Below, `laplace(...)` spells the subspace out; the front door gives the same
 # posterior, which the cell after the fits checks.
 

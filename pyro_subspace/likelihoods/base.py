@@ -33,7 +33,7 @@ from pyro.nn import PyroModule
 from .._checks import check_finite, positive_float
 
 #: Ways of turning Gaussian outputs into a predictive (`Likelihood.predictive_from_moments`).
-LINK_APPROXES = ("auto", "closed_form", "probit", "mc")
+LINK_APPROXES = ("auto", "closed_form", "probit", "mc", "bridge", "bridge_norm")
 
 
 def check_temperature(temperature: float, name: str = "temperature") -> float:
@@ -234,6 +234,34 @@ class Likelihood(PyroModule):
 
     def _predictive(self, f_mean, f_cov, link_approx, num_samples, generator, include_noise):
         raise NotImplementedError
+
+    def glm_prediction(
+        self,
+        f_mean: torch.Tensor,
+        f_cov: torch.Tensor,
+        link_approx: str = "auto",
+        num_samples: int = 100,
+        generator: torch.Generator | None = None,
+        diagonal_output: bool = False,
+    ):
+        """What laplace-torch's ``la(x, pred_type="glm")`` returns from the linearised output
+        moments ``f_mean`` ``(N, O)``, ``f_cov`` ``(N, O, O)``: here the predictive's class
+        probabilities ``(N, C)``; a regression likelihood returns ``(f_mean, f_cov)`` (its
+        diagonal ``(N, O)`` with ``diagonal_output``)."""
+        return self.predictive_from_moments(
+            f_mean, f_cov, link_approx, num_samples, generator
+        ).probs
+
+    def sample_prediction(self, outputs: torch.Tensor):
+        """What laplace-torch's ``la(x, pred_type="nn")`` returns from the outputs ``(S, N, O)``
+        at ``S`` weight draws: here the mean probabilities ``(N, C)``; a regression likelihood
+        returns their mean and variance ``(N, O)`` each."""
+        return self.mean(outputs).mean(0)
+
+    def predictive_samples(self, outputs: torch.Tensor) -> torch.Tensor:
+        """laplace-torch's ``predictive_samples`` from output draws ``(S, N, O)``: the class
+        probabilities of each draw (the draws themselves for regression)."""
+        return self.mean(outputs)
 
     def predictive_from_samples(self, outputs: torch.Tensor) -> Distribution:
         """The predictive of each draw of the outputs ``(..., N, O)``: batch shape ``(..., N)``

@@ -69,11 +69,16 @@ class Categorical(Likelihood):
         keep = cols + (cols[None, :] >= r[:, None])  # shape: (n, C−1): every class but r
         return m.gather(2, keep[:, None, :].expand(n, c, c - 1))
 
+    link_approxes = ("probit", "mc", "bridge", "bridge_norm")
+
     def _predictive(self, f_mean, f_cov, link_approx, num_samples, generator, include_noise):
         """``"probit"``: ``softmax(m_c / √(1 + π/8 · C_cc))`` (MoLA eq. 6); ``"mc"``: the mean of
-        ``softmax(f)`` over ``num_samples`` draws ``f ~ N(m, C)``."""
+        ``softmax(f)`` over ``num_samples`` draws ``f ~ N(m, C)``; ``"bridge"`` and
+        ``"bridge_norm"``: the mean of the Laplace bridge's Dirichlet (`laplace_bridge`)."""
         if link_approx == "mc":
             probs = gaussian_draws(f_mean, f_cov, num_samples, generator).softmax(-1).mean(0)
+        elif link_approx in ("bridge", "bridge_norm"):
+            probs = laplace_bridge(f_mean, f_cov, normalize=link_approx == "bridge_norm")
         else:
             kappa = (1 + math.pi / 8 * f_cov.diagonal(dim1=-2, dim2=-1)).rsqrt()
             probs = (f_mean * kappa).softmax(-1)
@@ -87,3 +92,35 @@ class Categorical(Likelihood):
         y = Likelihood.prepare_target(self, y, probs.shape[-2])
         y = check_labels(y, "y", probs.shape[-1]).to(probs.device)
         return probs.gather(-1, y[:, None]).squeeze(-1).log()
+
+
+def laplace_bridge(f_mean: torch.Tensor, f_cov: torch.Tensor, normalize: bool = False):
+    """The mean ``α / Σ_k α_k`` ``(N, C)`` of the Laplace bridge's Dirichlet for logits
+    ``f ~ N(m, C)`` (Hobbhahn, Kristiadi & Hennig 2022, eq. 9):
+
+        α_k = (1 − 2/C + e^{m_k} Σ_l e^{−m_l} / C²) / C_kk,
+
+    after conditioning the Gaussian on ``Σ_k f_k = 0`` (softmax is invariant to a shift of the
+    logits; the bridge assumes zero-sum logits): ``m ← m − C1 (1ᵀm)/(1ᵀC1)``,
+    ``C ← C − C11ᵀC/(1ᵀC1)``. ``normalize`` (laplace-torch's ``"bridge_norm"``) then rescales
+    the logits, ``m ← m/√s`` and ``C_kk ← C_kk/s`` with ``s = mean_k C_kk / √(C/2)``, so that
+    their mean variance is ``√(C/2)``. A probability that is not a number (zero variances)
+    is reported as 1, as laplace-torch does.
+
+    Args:
+        f_mean: ``(N, C)`` logit means.
+        f_cov: ``(N, C, C)`` logit covariances.
+        normalize: the variance normalisation of ``"bridge_norm"``.
+    """
+    m, cov = f_mean.double(), f_cov.double()
+    c = m.shape[-1]
+    row = cov.sum(-1)  # C1, shape: (N, C)
+    total = row.sum(-1, keepdim=True)  # 1ᵀC1, shape: (N, 1)
+    m = m - row * m.sum(-1, keepdim=True) / total
+    var = cov.diagonal(dim1=-2, dim2=-1) - row.square() / total  # diag of the conditioned C
+    if normalize:
+        s = var.mean(-1, keepdim=True) / math.sqrt(c / 2)
+        m, var = m / s.sqrt(), var / s
+    alpha = (1 - 2 / c + m.exp() / c**2 * (-m).exp().sum(-1, keepdim=True)) / var
+    probs = alpha / alpha.sum(-1, keepdim=True)
+    return torch.nan_to_num(probs, nan=1.0)

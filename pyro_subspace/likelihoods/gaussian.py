@@ -39,6 +39,24 @@ class Gaussian(Likelihood):
     is_regression = True
     link_approxes = ("closed_form",)
 
+    def glm_prediction(self, f_mean, f_cov, link_approx="auto", num_samples=100, generator=None,
+                       diagonal_output=False):  # fmt: skip
+        """laplace-torch's regression output: ``(f_mean (N, O), f_cov (N, O, O))``, the
+        function-space moments without ``σ²`` (``f_cov``'s diagonal ``(N, O)`` with
+        ``diagonal_output``). ``link_approx``: laplace-torch's default ``"probit"`` (which it
+        does not use for regression either), ``"auto"`` or ``"closed_form"``."""
+        if link_approx != "probit":
+            self.check_link_approx(link_approx)
+        return f_mean, f_cov.diagonal(dim1=-2, dim2=-1) if diagonal_output else f_cov
+
+    def sample_prediction(self, outputs: torch.Tensor):
+        """laplace-torch's ``pred_type="nn"`` regression output: the mean and variance of the
+        outputs over the weight draws, ``(N, O)`` each."""
+        return outputs.mean(0), outputs.var(0)
+
+    def predictive_samples(self, outputs: torch.Tensor) -> torch.Tensor:
+        return outputs
+
     def __init__(
         self,
         sigma: float | torch.Tensor | None = None,

@@ -259,8 +259,12 @@ class SubspaceNet(PyroModule):
             )
         if not bool(torch.isfinite(lam).all()) or bool((lam <= 0).any()):
             raise ValueError(f"prior_precision: expected positive finite values, got {lam}")
-        if self.prior_mean == "zero" and lam.dim() == 1 and not bool((lam == lam[0]).all()):
-            raise ValueError("prior_precision: prior_mean='zero' needs one scalar λ")
+        uniform = lam.dim() == 0 or bool((lam == lam[0]).all())
+        if self.prior_mean == "zero" and not self._gram_is_identity and not uniform:
+            raise ValueError(
+                "prior_precision: prior_mean='zero' on a dense basis needs one scalar λ (the "
+                "prior's precision is λ PᵀP); per-weight λ needs an index subspace"
+            )
         lam = lam.to(self._prior_precision).expand(self.rank)
         self._prior_precision.copy_(lam)
         self.prior_scale.copy_(lam.rsqrt().to(self.prior_scale))

@@ -83,7 +83,8 @@ class BaseGuideTestCase(PersistenceContract):
         return self.subset
 
     def build(self, net: nn.Module, likelihood):
-        return Laplace(net, likelihood, self.subset_for(net), self.structure, LAM, rank=self.rank)
+        subset = self.subset_for(net)
+        return Laplace(net, likelihood, subset, self.structure, LAM, rank=self.rank).guide
 
     # ------------------------------------------------------------------ (A) linear-Gaussian
 

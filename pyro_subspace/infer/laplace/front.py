@@ -1,18 +1,24 @@
 """laplace-torch-shaped entry points: `Laplace(net, likelihood, subset_of_weights=...,
 hessian_structure=...)` and the mean-field `DiagonalLaplace`.
 
-Both return an `AutoSubspaceLaplace` (a Pyro autoguide) on a `SubspaceNet` built from the
-network at its MAP with the weight prior ``w ~ N(0, λ⁻¹ I)`` (``prior_mean="zero"``, what
-weight decay trains), so ``fit`` finds ``t* = 0`` when the net is that MAP, and
-``Predictive(la.model, guide=la)`` works as in plain Pyro.
+Both return a `NetLaplace`: an object with laplace-torch's names and semantics (``la(x)``
+predicts, ``la.fit(train_loader)``, ``la.log_marginal_likelihood(λ, σ)``, ...) that holds the
+Pyro guide, an `AutoSubspaceLaplace` on a `SubspaceNet` of the network with the weight prior
+``w ~ N(0, λ⁻¹ I)`` (``prior_mean="zero"``, what weight decay trains), as ``la.guide``: so
+``fit`` finds ``t* = 0`` when the net is that MAP, and
+``Predictive(la.model, guide=la.guide)`` works as in plain Pyro.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+from pyro.poutine.runtime import am_i_wrapped
 from torch import nn
 
 from ... import _checks as ck
+from ..._linalg import gaussian_draws
 from ...flat import FlatNet
 from ...likelihoods import Likelihood, check_likelihood, check_temperature
 from ...nn import SubspaceNet
@@ -155,56 +161,422 @@ def Laplace(
     if selected if rescale_prior is None else rescale_prior:  # λ_S = λ·K/D
         prior_precision = prior_precision * sub.rank / sub.dim
     model.set_prior_precision(prior_precision)
-    return NetLaplace(model, hessian_structure=hessian_structure, chunk_size=chunk_size, rank=rank)
+    guide = AutoSubspaceLaplace(
+        model, hessian_structure=hessian_structure, chunk_size=chunk_size, rank=rank
+    )
+    return NetLaplace(guide, subset_of_weights)
 
 
-class NetLaplace(AutoSubspaceLaplace):
-    """The guide `Laplace` returns: an `AutoSubspaceLaplace` with laplace-torch's habits.
+class NetLaplace(nn.Module):
+    """What `Laplace` returns: a laplace-torch-shaped Laplace approximation that holds the Pyro
+    guide as ``la.guide``.
 
-    - `fit` takes the network's weights as the MAP, as laplace-torch does
-      (``fit(x, y, find_map=True)`` searches the MAP of the posterior with this prior in the
-      subset instead: it moves ``t*`` away from ``0`` when the net was not trained with weight
-      decay ``λ/N``);
-    - ``predict(x, pred_type="glm", link_approx=..., n_samples=...)``, ``sample(n, generator)``,
-      ``optimize_prior_precision(method="gridsearch", val_loader=...)``, a settable
-      ``prior_precision``, and ``posterior_precision``, ``posterior_covariance``,
-      ``posterior_variance``, ``n_params``: laplace-torch's names;
-    - calling it as ``la(x, pred_type=..., link_approx=...)`` is a ``TypeError`` naming
-      `predict`: a Pyro guide, called, draws ``t ~ q(t)``.
+    laplace-torch's names behave as they do there (laplace-torch 0.2):
+
+    - ``la.fit(x, y)`` / ``la.fit(train_loader)``: the GGN at the network's weights *now* (a
+      checkpoint loaded after `Laplace` was built is the one fitted; the subset's indices are
+      those chosen at construction);
+    - ``la(x, pred_type="glm"|"nn", link_approx="probit"|"mc"|"bridge"|"bridge_norm",
+      n_samples=100, diagonal_output=False, generator=None)``: regression
+      ``(f_mu (N, O), f_var (N, O, O))`` (``(N, O)`` with ``diagonal_output`` or
+      ``pred_type="nn"``), the function-space variance *without* ``σ²`` as in laplace-torch
+      (add ``la.sigma_noise**2`` for the predictive); classification the probabilities
+      ``(N, C)`` (MoLA eq. 6 for the probit, Hobbhahn et al. 2022 for the bridge);
+    - ``la.predictive_samples(x, pred_type, n_samples, diagonal_output, generator)``:
+      ``(S, N, O)`` draws of the outputs (classification: their softmax);
+    - ``la.sample(n_samples, generator)``: weight draws ``(S, K)`` of the last layer for
+      ``"last_layer"`` (laplace-torch's ``LLLaplace``), else ``(S, D)`` of all weights with the
+      subset drawn and the rest at the MAP;
+    - ``la.prior_precision`` and ``la.sigma_noise`` (settable; the model's prior and the
+      Gaussian likelihood own them); ``la.log_marginal_likelihood(prior_precision,
+      sigma_noise)`` evaluates the evidence at the given (differentiable) values and writes them
+      back as laplace-torch does, lazily: ``Σ`` is re-formed once, at the next use, not on every
+      call of a hyperparameter loop;
+    - ``la.optimize_prior_precision(method="marglik"|"gridsearch", ...)`` with
+      laplace-torch's keywords (`optimize_prior_precision`; ``method`` comes first here,
+      ``pred_type`` first in laplace-torch: pass them by keyword);
+    - ``posterior_precision``, ``posterior_covariance``, ``posterior_variance``,
+      ``n_params``, ``state_dict``.
+
+    ``la.guide`` is the `AutoSubspaceLaplace` (a Pyro autoguide):
+    ``Predictive(la.model, guide=la.guide)``. ``la.predict(x, link_approx=...)`` returns the
+    linearised predictive as a ``torch.distributions`` object (with ``σ²`` for regression).
+    The guide's fitted state and evidence (``loc``, ``covariance``, ``structure``,
+    ``fitted``, ...) are readable here too (`GUIDE_ATTRIBUTES`).
+
+    Args:
+        guide: the unfitted guide over the model's subspace.
+        subset: what `Laplace` was given as ``subset_of_weights`` (``"last_layer"`` changes
+            what `sample` returns).
     """
 
-    def fit(self, x: object, y: torch.Tensor | None = None, **kwargs: object):
-        """`AutoSubspaceLaplace.fit` at the network's weights *now* (as laplace-torch reads
-        them at ``fit``): weights loaded or trained after `Laplace` was built become the shift
-        ``ŵ`` (the subset's indices, chosen at construction, are kept). All or nothing: an
-        interrupted or failed fit leaves the guide and its model as they were."""
-        kwargs.setdefault("find_map", False)
-        return self._fit_at_current_weights(x, y, **kwargs)
+    def __init__(self, guide: AutoSubspaceLaplace, subset: object = "all") -> None:
+        super().__init__()
+        if not isinstance(guide, AutoSubspaceLaplace):
+            raise TypeError(f"guide: expected an AutoSubspaceLaplace, got {type(guide).__name__}")
+        self._modules["guide"] = guide
+        self._modules["model"] = guide.model
+        self.last_layer = isinstance(subset, str) and subset == "last_layer"
+        self.__dict__["_pending"] = {}  # hyperparameters written back lazily
 
-    @_all_or_nothing
-    def _fit_at_current_weights(self, x: object, y: torch.Tensor | None, **kwargs: object):
-        model = self.model
-        w = FlatNet(model.net).vector().detach()
-        shift = model.subspace.shift
-        if w.shape != shift.shape:
-            raise ValueError(
-                f"net: has {w.numel()} weights now but {shift.numel()} when Laplace was built: "
-                "build Laplace again for the new architecture"
-            )
-        if not torch.equal(w.to(shift), shift):
-            model.subspace.shift.copy_(w)
-            model.set_prior(model.prior_mean)  # t₀ = Pᵀ(0 − ŵ) follows the new shift
-        return super().fit(x, y, **kwargs)
+    # ------------------------------------------------------------------ the guide
 
-    def forward(self, *args: object, **kwargs: object):
-        asked = sorted(set(kwargs) & {"pred_type", "link_approx", "n_samples", "joint"})
-        if asked:
+    @property
+    def guide(self) -> AutoSubspaceLaplace:
+        """The Pyro guide, with any hyperparameters written back by `log_marginal_likelihood`
+        applied first."""
+        self._flush()
+        return self._modules["guide"]
+
+    @property
+    def laplace_guide(self) -> AutoSubspaceLaplace:
+        """`guide` (the protocol by which `linearized_moments` and the tuners accept this
+        object)."""
+        return self.guide
+
+    def __getattr__(self, name: str):
+        if name in GUIDE_ATTRIBUTES:
+            return getattr(self.guide, name)
+        return super().__getattr__(name)
+
+    def _flush(self) -> None:
+        pending = self.__dict__.get("_pending")
+        if not pending:
+            return
+        guide = self._modules["guide"]
+        self.__dict__["_pending"] = {}
+        if "sigma" in pending:
+            guide.set_sigma(pending["sigma"])
+        if "prior_precision" in pending:
+            guide.set_prior_precision(pending["prior_precision"])
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        pred_type: str = "glm",
+        joint: bool = False,
+        link_approx: str = "probit",
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+        fitting: bool = False,
+    ):
+        """laplace-torch's prediction (class docstring): ``(f_mu, f_var)`` for regression,
+        probabilities ``(N, C)`` for classification."""
+        if am_i_wrapped():  # Pyro's Predictive(model, guide=la) would sample the prior
             raise TypeError(
-                f"{asked[0]}: calling the guide draws t ~ q(t), as Pyro's autoguides do; for "
-                "laplace-torch's la(x, pred_type=..., link_approx=...) call "
-                "la.predict(x, link_approx=...)"
+                "la: called inside a Pyro handler (Predictive, SVI): this object predicts; the "
+                "Pyro guide is la.guide, e.g. Predictive(la.model, guide=la.guide)"
             )
-        return super().forward(*args, **kwargs)
+        _check_prediction_keywords(pred_type, joint, n_samples, diagonal_output, generator, fitting)
+        lik = self.model.likelihood
+        if pred_type == "nn":  # shape: (S, N, O)
+            out = lik.sample_prediction(self._nn_samples(x, n_samples, generator))
+        else:
+            glm_link = link_approx if link_approx in lik.link_approxes else "auto"
+            f_mu, f_var = linearized_moments(self.guide, x, diagonal=glm_link == "probit")
+            out = lik.glm_prediction(
+                f_mu, f_var, link_approx, n_samples, generator, diagonal_output
+            )
+        return _to_net_dtype(out, self.model.subspace.shift.dtype)
+
+    def predictive_samples(
+        self,
+        x: torch.Tensor,
+        pred_type: str = "glm",
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """``(S, N, O)`` draws of the outputs from the linearised (``"glm"``) or the network's
+        (``"nn"``: weights drawn, network run) predictive; classification: their softmax
+        ``(S, N, C)``. ``diagonal_output``: glm draws with independent outputs."""
+        _check_prediction_keywords(pred_type, False, n_samples, diagonal_output, generator, False)
+        if pred_type == "nn":
+            samples = self._nn_samples(x, n_samples, generator)
+        else:
+            f_mu, f_var = linearized_moments(self.guide, x)
+            if diagonal_output:
+                f_var = torch.diag_embed(f_var.diagonal(dim1=-2, dim2=-1))
+            samples = gaussian_draws(f_mu, f_var, n_samples, generator)
+        out = self.model.likelihood.predictive_samples(samples)
+        return _to_net_dtype(out, self.model.subspace.shift.dtype)
+
+    def _nn_samples(self, x, n_samples: int, generator) -> torch.Tensor:
+        """Outputs ``(S, N, O)`` of the network at ``S`` weight draws."""
+        guide = self.guide
+        self.model.check_data(x)
+        t = guide.draw_latent(n_samples, generator)
+        with torch.no_grad():
+            return torch.stack([self.model.outputs(ts, x) for ts in t]).double()
+
+    # ------------------------------------------------------------------ fitting and tuning
+
+    def fit(
+        self,
+        x: object,
+        y: torch.Tensor | None = None,
+        *,
+        override: bool = True,
+        progress_bar: bool = False,
+        find_map: bool = False,
+        **kwargs: object,
+    ) -> NetLaplace:
+        """`AutoSubspaceLaplace.fit` at the network's weights *now* (as laplace-torch reads
+        them at ``fit``); ``x`` a tensor (with ``y``), a ``Dataset`` or laplace-torch's
+        ``train_loader``. ``override=False`` (laplace-torch's incremental fit) is refused;
+        ``progress_bar`` is accepted for compatibility (the fit shows none). ``find_map=True``
+        searches the MAP of this posterior in the subset instead of keeping the weights. All or
+        nothing: an interrupted or failed fit leaves the object as it was."""
+        if override is not True:
+            raise ValueError(
+                "override: only override=True (a new fit); laplace-torch's incremental "
+                "fit(override=False) is not supported: fit on all the data at once"
+            )
+        ck.choice(progress_bar, "progress_bar", (True, False))
+        self._flush()
+        self._fit_at_current_weights(x, y, find_map=find_map, **kwargs)
+        return self
+
+    def _fit_at_current_weights(self, x, y, **kwargs) -> None:
+        guide, model = self._modules["guide"], self.model
+
+        @_all_or_nothing
+        def fit(guide):
+            w = FlatNet(model.net).vector().detach()
+            shift = model.subspace.shift
+            if w.shape != shift.shape:
+                raise ValueError(
+                    f"net: has {w.numel()} weights now but {shift.numel()} when Laplace was "
+                    "built: build Laplace again for the new architecture"
+                )
+            if not torch.equal(w.to(shift), shift):
+                model.subspace.shift.copy_(w)
+                model.set_prior(model.prior_mean)  # t₀ = Pᵀ(0 − ŵ) follows the new shift
+            guide.fit(x, y, **kwargs)
+
+        fit(guide)
+
+    def optimize_prior_precision(
+        self,
+        method: str = "marglik",
+        *,
+        pred_type: str = "glm",
+        link_approx: str = "probit",
+        n_samples: int = 100,
+        prior_structure: str | None = None,
+        init_prior_prec: float | torch.Tensor | None = None,
+        val_loader: object = None,
+        loss: object = None,
+        log_prior_prec_min: float = -4,
+        log_prior_prec_max: float = 4,
+        grid_size: int = 100,
+        n_steps: int | None = None,
+        lr: float | None = None,
+        verbose: bool = False,
+        progress_bar: bool = False,
+        **ours: object,
+    ) -> NetLaplace:
+        """Tune ``λ`` with laplace-torch's keywords (``method`` is the first argument here,
+        ``pred_type`` in laplace-torch: pass them by keyword), or ours (`tuning`).
+
+        - ``method="marglik"``: the Laplace evidence, by L-BFGS to convergence; with ``n_steps``
+          or ``lr``, laplace-torch's schedule (Adam on ``log λ``, defaults 100 and 0.1).
+          ``prior_structure``: ``"scalar"`` (default), ``"layerwise"`` (one ``λ`` per parameter
+          tensor of the subset) or ``"diag"`` (one per weight). ``pred_type``, ``link_approx``
+          and ``n_samples`` are the grid's, unused here as in laplace-torch.
+        - ``method="gridsearch"`` (or ``"grid"``): the ``λ`` on
+          ``logspace(log_prior_prec_min, log_prior_prec_max, grid_size)`` (or ``grid=``) with
+          the best validation log-likelihood of ``val_loader`` (or ``x_val``, ``y_val``), i.e.
+          laplace-torch's default NLL loss, with the linearised predictive (``pred_type="glm"``;
+          the probit for classification). One ``λ`` (``prior_structure="scalar"``).
+        - ``init_prior_prec``: the starting ``λ`` (set before the search).
+        - ``verbose`` prints the ``λ`` found; ``progress_bar`` is accepted (no bar is shown).
+
+        A keyword the method cannot honour (a custom ``loss``, ``pred_type="nn"`` or a
+        non-probit ``link_approx`` for the grid, a structured prior for the grid) is an error
+        saying what to do.
+        """
+        ck.choice(verbose, "verbose", (True, False))
+        ck.choice(progress_bar, "progress_bar", (True, False))
+        ck.choice(pred_type, "pred_type", ("glm", "nn"))
+        ck.positive_int(n_samples, "n_samples")
+        structure = "scalar" if prior_structure is None else prior_structure
+        ck.choice(structure, "prior_structure", ("scalar", "layerwise", "diag"))
+        if method == "gridsearch":
+            method = "grid"
+        if method not in ("marglik", "grid"):
+            raise ValueError(
+                f"method: expected 'marglik' or 'gridsearch' (or 'grid'), got {method!r}"
+            )
+        if loss is not None:
+            raise ValueError(
+                "loss: the grid is scored by the validation log-likelihood (laplace-torch's "
+                "default NLL); a custom loss is not supported: leave it out"
+            )
+        if method == "grid":
+            if pred_type != "glm":
+                raise ValueError(
+                    "pred_type: the grid is scored with the linearised predictive ('glm'); "
+                    "leave pred_type='glm'"
+                )
+            if link_approx not in ("probit", "auto", "closed_form"):
+                raise ValueError(
+                    f"link_approx: the grid is scored with the probit (regression: the closed "
+                    f"form), got {link_approx!r}: leave link_approx='probit'"
+                )
+            if structure != "scalar":
+                raise ValueError(
+                    f"prior_structure: the grid search tunes one λ; for {structure!r} use "
+                    "method='marglik'"
+                )
+            if n_steps is not None or lr is not None:
+                raise TypeError("n_steps, lr: the evidence search's (method='marglik'); leave them out")
+            if val_loader is not None:
+                if "x_val" in ours:
+                    raise TypeError("val_loader: give x_val (and y_val) or val_loader, not both")
+                ours["x_val"] = val_loader
+            if "grid" not in ours:
+                ck.check_int(grid_size, "grid_size", 1)
+                lo = float(log_prior_prec_min)
+                hi = float(log_prior_prec_max)
+                if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi):
+                    raise ValueError(
+                        "log_prior_prec_min, log_prior_prec_max: expected finite numbers, "
+                        f"min <= max, got {log_prior_prec_min!r}, {log_prior_prec_max!r}"
+                    )
+                ours["grid"] = torch.logspace(lo, hi, grid_size, dtype=torch.float64)
+        else:
+            if val_loader is not None:
+                raise TypeError("val_loader: the grid search's (method='gridsearch'); leave it out")
+            if structure != "scalar":
+                groups = self.parameter_groups()
+                ours["groups"] = (
+                    groups.sizes_index() if structure == "layerwise" else torch.arange(self.n_params)
+                )
+            if n_steps is not None or lr is not None:
+                ours["adam"] = (100 if n_steps is None else n_steps, 0.1 if lr is None else lr)
+        self._flush()
+        if init_prior_prec is not None:
+            self.prior_precision = init_prior_prec
+        optimize_prior_precision(self._modules["guide"], method, **ours)
+        if verbose:
+            print(f"Optimized prior precision is {self.prior_precision}.")
+        return self
+
+    def log_marginal_likelihood(
+        self,
+        prior_precision: float | torch.Tensor | None = None,
+        sigma_noise: float | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The Laplace evidence at ``prior_precision`` and ``sigma_noise`` (the current values
+        where ``None``), differentiable in both; the values given are written back (as
+        laplace-torch does) and ``Σ`` is re-formed from them at its next use. ``λ``: a number,
+        a ``(1,)`` or 0-d tensor, one value per parameter tensor of the subset (laplace-torch's
+        ``"layerwise"``) or one per weight ``(K,)``."""
+        guide = self._modules["guide"]
+        pending = self.__dict__["_pending"]
+        lam = prior_precision if prior_precision is not None else pending.get("prior_precision")
+        sigma = sigma_noise if sigma_noise is not None else pending.get("sigma")
+        if lam is not None:
+            lam = self._prior_vector(lam, differentiable=True)
+        if sigma is not None:
+            sigma = _as_scalar(sigma, "sigma_noise")
+            if not guide.likelihood.noise_scale_tunable:
+                raise ValueError(
+                    "sigma_noise: only a Gaussian likelihood with one noise scale has one "
+                    "(classification: leave it out)"
+                )
+        value = guide.log_marginal_likelihood(lam, sigma)
+        if prior_precision is not None:
+            pending["prior_precision"] = lam.detach().clone()
+        if sigma_noise is not None:
+            pending["sigma"] = float(sigma.detach()) if isinstance(sigma, torch.Tensor) else sigma
+        return value
+
+    def _prior_vector(self, value: object, differentiable: bool = False) -> torch.Tensor:
+        """``λ`` as the model takes it: a 0-d tensor (one value) or ``(K,)`` (per weight), from
+        a number, a ``(1,)``/0-d tensor, one value per parameter tensor of the subset, or
+        ``(K,)``; positive and finite (checked on the values, the graph kept)."""
+        k = self.model.rank
+        groups = self.parameter_groups()
+        if isinstance(value, torch.Tensor):
+            lam = value if differentiable else value.detach()
+            lam = lam.to(dtype=torch.float64, device=self.model.prior_loc.device)
+        else:
+            lam = torch.tensor(ck.positive_float(value, "prior_precision"), dtype=torch.float64)
+        if lam.dim() > 1:
+            raise ValueError(f"prior_precision: expected a number or a 1-D tensor, got {tuple(lam.shape)}")
+        if not bool(torch.isfinite(lam.detach()).all()) or bool((lam.detach() <= 0).any()):
+            raise ValueError(f"prior_precision: expected positive finite values, got {lam.detach()}")
+        if lam.dim() == 0 or lam.numel() == 1:
+            return lam.reshape(())
+        if lam.numel() == len(groups) and lam.numel() != k:
+            return lam[groups.sizes_index()]
+        if lam.numel() == k:
+            return lam
+        raise ValueError(
+            f"prior_precision: expected 1 value, {len(groups)} (one per parameter tensor of the "
+            f"subset: {groups.names}) or {k} (one per weight), got {lam.numel()}"
+        )
+
+    def parameter_groups(self) -> ParameterGroups:
+        """The parameter tensors the subset's weights belong to (laplace-torch's layerwise
+        prior has one ``λ`` per such tensor)."""
+        return ParameterGroups(self.model)
+
+    # ------------------------------------------------------------------ hyperparameters
+
+    @property
+    def prior_precision(self) -> torch.Tensor:
+        """``λ``: 0-d when shared by all weights, else ``(K,)`` (the model's prior, or the value
+        `log_marginal_likelihood` wrote back); setting it re-forms ``Σ``."""
+        pending = self.__dict__["_pending"].get("prior_precision")
+        if pending is not None:
+            return pending.clone()
+        return self._modules["guide"].prior_precision
+
+    @prior_precision.setter
+    def prior_precision(self, value: float | torch.Tensor) -> None:
+        lam = self._prior_vector(value)
+        self.__dict__["_pending"].pop("prior_precision", None)
+        self._flush()
+        guide = self._modules["guide"]
+        if guide.fitted:
+            guide.set_prior_precision(lam)
+        else:
+            guide.model.set_prior_precision(lam)
+
+    @property
+    def sigma_noise(self) -> torch.Tensor:
+        """The Gaussian likelihood's noise ``σ`` (0-d); settable (the curvature and ``Σ``
+        follow, ``G ∝ 1/σ²``). Classification: 1, as in laplace-torch."""
+        pending = self.__dict__["_pending"].get("sigma")
+        if pending is not None:
+            return torch.tensor(pending, dtype=torch.float64)
+        lik = self.model.likelihood
+        if not lik.noise_scale_tunable:
+            return torch.tensor(1.0, dtype=torch.float64)
+        return lik.sigma.detach().clone()
+
+    @sigma_noise.setter
+    def sigma_noise(self, value: float | torch.Tensor) -> None:
+        guide = self._modules["guide"]
+        if not guide.likelihood.noise_scale_tunable:
+            raise ValueError(
+                "sigma_noise: only a Gaussian likelihood with one noise scale has one; give the "
+                "noise to the likelihood, likelihoods.Gaussian(sigma=...)"
+            )
+        sigma = float(_as_scalar(value, "sigma_noise"))
+        self.__dict__["_pending"].pop("sigma", None)
+        self._flush()
+        if guide.fitted:
+            guide.set_sigma(sigma)
+        else:
+            lik = guide.likelihood
+            lik.sigma = torch.full_like(lik.sigma.detach(), ck.positive_float(sigma, "sigma_noise"))
+
+    # ------------------------------------------------------------------ the posterior
 
     def predict(
         self,
@@ -214,51 +586,33 @@ class NetLaplace(AutoSubspaceLaplace):
         n_samples: int | None = None,
         **kwargs: object,
     ):
-        """`AutoSubspaceLaplace.predict`; ``pred_type`` only ``"glm"`` (the linearised
-        predictive); ``n_samples``: laplace-torch's name of ``num_samples``."""
+        """The linearised predictive as a ``torch.distributions`` object
+        (`AutoSubspaceLaplace.predict`; regression: ``J Σ Jᵀ + σ²``); ``pred_type`` only
+        ``"glm"``; ``n_samples``: laplace-torch's name of ``num_samples``."""
         if pred_type != "glm":
             raise ValueError(
                 f"pred_type: only 'glm' (the linearised predictive), got {pred_type!r}; for "
-                "laplace-torch's 'nn' (weights drawn, the network run) use "
-                "Predictive(la.model, guide=la, num_samples=S)(x)"
+                "laplace-torch's 'nn' call la(x, pred_type='nn') or la.predictive_samples"
             )
         if n_samples is not None:
             if "num_samples" in kwargs:
                 raise TypeError("n_samples: give num_samples or n_samples, not both")
             kwargs["num_samples"] = n_samples
-        return super().predict(x, link_approx, **kwargs)
-
-    def optimize_prior_precision(self, method: str = "marglik", **kwargs: object):
-        """`AutoSubspaceLaplace.optimize_prior_precision`; also laplace-torch's
-        ``method="gridsearch"`` and ``val_loader=`` (a DataLoader of ``(x, y)``)."""
-        if "val_loader" in kwargs:
-            if "x_val" in kwargs:
-                raise TypeError("val_loader: give x_val (and y_val) or val_loader, not both")
-            kwargs["x_val"] = kwargs.pop("val_loader")
-        return super().optimize_prior_precision(
-            "grid" if method == "gridsearch" else method, **kwargs
-        )
-
-    @property
-    def prior_precision(self) -> torch.Tensor:
-        """The model's ``λ`` (`AutoSubspaceLaplace.prior_precision`); setting it updates ``Σ``
-        (`set_prior_precision`)."""
-        return AutoSubspaceLaplace.prior_precision.fget(self)
-
-    @prior_precision.setter
-    def prior_precision(self, value: float | torch.Tensor) -> None:
-        self.set_prior_precision(value)
+        return self.guide.predict(x, link_approx, **kwargs)
 
     def sample(self, n_samples: int = 100, generator: torch.Generator | None = None):
-        """laplace-torch's ``sample``: draws of all ``D`` weights ``(S, D)``, the subset drawn
-        from ``N(ŵ_S, Σ)`` and the rest at the MAP (`AutoSubspaceLaplace.sample_weights`);
-        ``generator`` seeds them (``None``: torch's global generator)."""
-        seed = None
-        if generator is not None:
-            if not isinstance(generator, torch.Generator):
-                raise TypeError(f"generator: expected a torch.Generator, got {generator!r}")
-            seed = int(torch.randint(2**62, (), generator=generator))
-        return self.sample_weights(n_samples, seed=seed)
+        """laplace-torch's ``sample``: weight draws, ``(S, K)`` of the last layer for
+        ``subset_of_weights="last_layer"``, else ``(S, D)`` of all weights (the subset drawn
+        from ``N(ŵ_S, Σ)``, the rest at the MAP); ``generator`` seeds them (``None``: torch's
+        global generator)."""
+        ck.positive_int(n_samples, "n_samples")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator: expected a torch.Generator, got {generator!r}")
+        guide = self.guide
+        w = self.model.subspace.weights(guide.draw_latent(n_samples, generator))
+        if self.last_layer:
+            return w[:, self.model.subspace.basis]
+        return w
 
     @property
     def n_params(self) -> int:
@@ -266,28 +620,124 @@ class NetLaplace(AutoSubspaceLaplace):
         return self.model.rank
 
     def _unpacked(self, name: str, buffer: str) -> torch.Tensor:
-        self._check_fitted()
-        if self.structure.name == "lowrank":
-            raise ValueError(f"{name}: the lowrank structure keeps it packed: la.{buffer}")
-        return getattr(self, buffer)
+        guide = self.guide
+        guide._check_fitted()
+        if guide.structure.name == "lowrank":
+            raise ValueError(f"{name}: the lowrank structure keeps it packed: la.guide.{buffer}")
+        return getattr(guide, buffer)
 
     @property
     def posterior_precision(self) -> torch.Tensor:
-        """``Σ⁻¹``: ``(K, K)`` (full) or ``(K,)`` (diag); the ``precision`` buffer."""
+        """``Σ⁻¹``: ``(K, K)`` (full) or ``(K,)`` (diag)."""
         return self._unpacked("posterior_precision", "precision")
 
     @property
     def posterior_covariance(self) -> torch.Tensor:
         """``Σ`` ``(K, K)`` (the diag structure's as a diagonal matrix)."""
         cov = self._unpacked("posterior_covariance", "covariance")
-        return torch.diag(cov) if self.structure.name == "diag" else cov
+        return torch.diag(cov) if self.guide.structure.name == "diag" else cov
 
     @property
     def posterior_variance(self) -> torch.Tensor:
         """The marginal variances ``diag(Σ)`` ``(K,)``, any structure."""
-        self._check_fitted()
-        return self.structure.marginal_std(self.scale_tril).square()
+        guide = self.guide
+        guide._check_fitted()
+        return guide.structure.marginal_std(guide.scale_tril).square()
 
+    # ------------------------------------------------------------------ persistence
+
+    def state_dict(self, *args: object, **kwargs: object):
+        self._flush()
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a state saved from this object (keys ``guide.*`` and ``model.*``). A state
+        saved before this object held its guide (the guide's buffers alone, no prefix) is
+        refused, saying what to do."""
+        self.__dict__["_pending"] = {}
+        if state_dict and not any(k.startswith(("guide.", "model.")) for k in state_dict):
+            raise ValueError(
+                "state_dict: holds a Laplace guide's buffers alone (saved before infer.Laplace "
+                "held its guide as la.guide, or from la.guide): load it with "
+                "la.guide.load_state_dict(state) and the model's with "
+                "la.model.load_state_dict(model_state); save both with la.state_dict() from now"
+            )
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+#: the guide's attributes readable on `NetLaplace` (fitted state, evidence and diagnostics)
+GUIDE_ATTRIBUTES = frozenset(
+    {
+        "loc", "covariance", "scale_tril", "precision", "ggn", "structure", "fitted",
+        "temperature", "num_data", "map_log_likelihood", "fit_statistics", "grid_scores",
+        "hessian_structure", "chunk_size", "prior_loc", "prior_precision_matrix",
+        "sample_weights", "draw_latent", "get_posterior", "set_sigma", "set_prior_precision",
+        "likelihood", "posterior_prior_precision", "posterior_sigma",
+    }
+)  # fmt: skip
+
+
+class ParameterGroups:
+    """The parameter tensors that a subset's weights belong to, in ``net.parameters()`` order:
+    ``names`` and, per coordinate of the subset, its group (`sizes_index`)."""
+
+    def __init__(self, model: SubspaceNet) -> None:
+        sub = model.subspace
+        if not isinstance(sub, IndexSubspace):
+            raise ValueError(
+                "prior_precision: a prior per parameter tensor needs a subset of weights "
+                f"(an index subspace), not a {type(sub).__name__}"
+            )
+        owner, names, at = [], [], 0
+        for name, p in model.flat.net.named_parameters():
+            owner.append(torch.full((p.numel(),), len(names)))
+            names.append(name)
+            at += p.numel()
+        flat_owner = torch.cat(owner)[sub.basis.cpu()]
+        used = torch.unique(flat_owner)  # sorted: net.parameters() order
+        self.names = [names[int(i)] for i in used]
+        self._index = torch.searchsorted(used, flat_owner)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def sizes_index(self) -> torch.Tensor:
+        """``(K,)``: the group of each coordinate."""
+        return self._index
+
+
+def _to_net_dtype(out, dtype: torch.dtype):
+    """laplace-torch returns its predictions in the network's dtype."""
+    if isinstance(out, tuple):
+        return tuple(o.to(dtype) for o in out)
+    return out.to(dtype)
+
+
+def _as_scalar(value: object, name: str) -> torch.Tensor | float:
+    """A number or a one-element tensor (laplace-torch's ``(1,)`` hyperparameters) as a 0-d
+    tensor (graph kept) or a float, positive and finite."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not value.is_floating_point():
+            raise ValueError(f"{name}: expected one positive number, got shape {tuple(value.shape)}")
+        if not bool(torch.isfinite(value.detach()).all()) or float(value.detach()) <= 0:
+            raise ValueError(f"{name}: expected a positive finite value, got {float(value)}")
+        return value.reshape(()).double()
+    return ck.positive_float(value, name)
+
+
+def _check_prediction_keywords(pred_type, joint, n_samples, diagonal_output, generator, fitting):
+    ck.choice(pred_type, "pred_type", ("glm", "nn"))
+    if joint:
+        raise ValueError(
+            "joint: the joint predictive over all test points is not available; leave "
+            "joint=False (per-point output covariances)"
+        )
+    if fitting:
+        raise ValueError("fitting: laplace-torch's internal flag; leave it False")
+    ck.positive_int(n_samples, "n_samples")
+    ck.choice(diagonal_output, "diagonal_output", (True, False))
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator, got {generator!r}")
 
 class DiagonalLaplace(NetLaplace):
     """The diagonal (mean-field) linearised Laplace over all ``D`` weights: a baseline.
@@ -321,22 +771,22 @@ class DiagonalLaplace(NetLaplace):
             temperature=check_temperature(temperature), prior_mean="zero",
         )  # fmt: skip
         model.set_prior_precision(prior_precision)
-        super().__init__(model, hessian_structure="diag", chunk_size=chunk_size or 1024)
+        guide = AutoSubspaceLaplace(model, hessian_structure="diag", chunk_size=chunk_size or 1024)
+        super().__init__(guide, "all")
 
     def optimize_prior_precision(self, *args: object, **kwargs: object) -> DiagonalLaplace:
         """``optimize_prior_precision(x_val, y_val, grid=None)``: the grid method (validation
-        log-likelihood); or the keyword form of `AutoSubspaceLaplace.optimize_prior_precision`."""
+        log-likelihood); or the keyword form of `NetLaplace.optimize_prior_precision`."""
         if args and isinstance(args[0], torch.Tensor):
             x_val, y_val, *rest = args
             kwargs.update(x_val=x_val, y_val=y_val, grid=rest[0] if rest else kwargs.get("grid"))
             args = ("grid",)
-        optimize_prior_precision(self, *args, **kwargs)
-        return self
+        return super().optimize_prior_precision(*args, **kwargs)
 
     @property
     def variance(self) -> torch.Tensor:
         """Marginal variances ``1 / (g/T + λ)`` ``(D,)``."""
-        self._check_fitted()
+        self.guide._check_fitted()
         return self.covariance
 
     @property

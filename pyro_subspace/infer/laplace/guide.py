@@ -141,6 +141,11 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         self.register_buffer("map_log_likelihood", torch.zeros((), **f64))
         # temperature, number of data, RSS and observations of the fit; temperature 0 = unfitted
         self.register_buffer("fit_statistics", torch.zeros(4, **f64))
+        #: the model's ``λ`` ``(K,)`` and noise ``σ`` (NaN: none) that ``Σ`` was formed with: a
+        #: guide whose model has another prior or noise (a guide's state loaded without its
+        #: model's) is refused at use instead of predicting with a Σ its evidence does not match
+        self.register_buffer("posterior_prior_precision", torch.zeros(k, **f64))
+        self.register_buffer("posterior_sigma", torch.full((), math.nan, **f64))
         self._reset_deferred()
         self._setup_prototype()
 
@@ -172,6 +177,12 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         return self.loc.to(dtype), self.structure.marginal_std(self.scale_tril).to(dtype)
 
     # ------------------------------------------------------------------ state
+
+    @property
+    def laplace_guide(self) -> AutoSubspaceLaplace:
+        """Itself (`infer.Laplace`'s object answers with its guide): what the functions that
+        take a Laplace guide read."""
+        return self
 
     @property
     def fitted(self) -> bool:
@@ -224,6 +235,27 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
     def _check_fitted(self) -> None:
         if not self.fitted:
             raise RuntimeError(f"{type(self).__name__}: call fit(x, y) first")
+        lam, sigma = self.model.prior_precision, self._model_sigma()
+        formed, formed_sigma = self.posterior_prior_precision, float(self.posterior_sigma)
+        same_sigma = math.isnan(sigma) and math.isnan(formed_sigma) or sigma == formed_sigma
+        if not torch.equal(lam, formed.to(lam)) or not same_sigma:
+            raise RuntimeError(
+                f"{type(self).__name__}: its posterior was formed with the prior precision "
+                f"{_short(formed)} and noise sigma {formed_sigma:.6g}, but its model now has "
+                f"{_short(lam)} and {sigma:.6g} (a guide's state loaded without its model's?): "
+                "load the model's state_dict too, or call guide.set_prior_precision(...) to "
+                "form the posterior for the model's prior"
+            )
+
+    def _model_sigma(self) -> float:
+        """The likelihood's one noise scale ``σ`` (NaN for a likelihood without one)."""
+        if not self.likelihood.noise_scale_tunable:
+            return math.nan
+        return float(self.likelihood.sigma.detach())
+
+    def _record_posterior_hyperparameters(self) -> None:
+        self.posterior_prior_precision.copy_(self.model.prior_precision)
+        self.posterior_sigma.fill_(self._model_sigma())
 
     def _mark_unfitted(self) -> None:
         """What an interrupted fit leaves when its state was too large to copy aside
@@ -333,6 +365,7 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         return self._buffers["precision"].dtype
 
     def _set_posterior(self, prior_precision: torch.Tensor | None = None) -> None:
+        self._record_posterior_hyperparameters()
         s = self.structure
         out = [self._materialized(name) for name in ("precision", "scale_tril", "covariance")]
         self.__dict__["_pending"] -= {"precision", "scale_tril"}
@@ -365,11 +398,18 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         gen = None
         if seed is not None:
             gen = torch.Generator(device=self.loc.device).manual_seed(seed)
-        k = self.model.rank
+        return self.model.subspace.weights(self.draw_latent(num_samples, gen))
+
+    def draw_latent(self, num_samples: int, generator: torch.Generator | None = None):
+        """Draws ``t ~ N(t*, Σ)`` ``(S, K)``, float64, from ``generator`` (``None``: torch's
+        global generator, never re-seeded)."""
+        self._check_fitted()
+        ck.positive_int(num_samples, "num_samples")
         eps = torch.randn(
-            num_samples, k, generator=gen, dtype=torch.float64, device=self.loc.device
-        )
-        return self.model.subspace.weights(self.loc + self.structure.draw(self.scale_tril, eps))
+            num_samples, self.model.rank, generator=generator, dtype=torch.float64,
+            device=self.loc.device,
+        )  # fmt: skip
+        return self.loc + self.structure.draw(self.scale_tril, eps)
 
     def predict(self, x: torch.Tensor, link_approx: str = "auto", **kwargs: object):
         """The linearised predictive as a ``torch.distributions`` object (`linearized_predictive`)."""
@@ -446,6 +486,22 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         return -count / 2 * torch.log(2 * math.pi * sigma**2) - sse / (2 * sigma**2)
 
     @_all_or_nothing
+    def set_sigma(self, sigma: float | torch.Tensor) -> None:
+        """Set the likelihood's noise ``σ`` and update the curvature (``G ∝ 1/σ²``), the MAP
+        log-likelihood (from the fit's residual sum of squares) and ``Σ``; a homoscedastic
+        Gaussian only."""
+        self._check_fitted()
+        old = self._scalar_sigma()
+        sigma = ck.positive_float(sigma, "sigma")
+        with torch.no_grad():
+            scale = (old / sigma) ** 2
+            self.ggn.copy_(self.structure.scale_curvature(self.ggn, scale))
+            self.map_log_likelihood.copy_(self._gaussian_loglik(torch.tensor(sigma).double()))
+        lik = self.likelihood  # a learned PyroParam or a buffer: set in place
+        lik.sigma = torch.full_like(lik.sigma.detach(), sigma)
+        self._set_posterior()
+
+    @_all_or_nothing
     def set_prior_precision(self, prior_precision: float | torch.Tensor) -> None:
         """Set ``λ`` in the model's prior (shared with MCMC/SVI on it) and update ``Σ``."""
         self.model.set_prior_precision(prior_precision)
@@ -460,6 +516,14 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
 
         optimize_prior_precision(self, method, **kwargs)
         return self
+
+
+def _short(t: torch.Tensor) -> str:
+    """``λ`` for a message: one number when every coordinate has it."""
+    t = t.detach().double().reshape(-1)
+    if t.numel() and bool((t == t[0]).all()):
+        return f"{float(t[0]):.6g}"
+    return f"{t[:3].tolist()}..." if t.numel() > 3 else str(t.tolist())
 
 
 class FullPrior:

@@ -19,7 +19,10 @@ if TYPE_CHECKING:  # the guide imports this module (its `predict`)
     from .guide import AutoSubspaceLaplace
 
 
-def _check_guide(guide: object) -> None:
+def _check_guide(guide: object):
+    """The fitted Laplace guide of ``guide``: itself, or the ``laplace_guide`` of the object
+    `infer.Laplace` returns."""
+    guide = getattr(guide, "laplace_guide", guide)
     # a Laplace guide: fitted state (`_check_fitted`) and a posterior structure
     if not (callable(getattr(guide, "_check_fitted", None)) and hasattr(guide, "structure")):
         raise TypeError(
@@ -27,6 +30,7 @@ def _check_guide(guide: object) -> None:
             f"got {type(guide).__name__}"
         )
     guide._check_fitted()
+    return guide
 
 
 def linearized_moments(
@@ -51,7 +55,7 @@ def linearized_moments(
         ``f_mean`` ``(N, O)`` and ``f_cov`` ``(N, O, O)``, float64 (``J_P Σ J_Pᵀ`` is computed
         in ``Σ``'s dtype: float32 for a float32 network's full structure, `AutoSubspaceLaplace`).
     """
-    _check_guide(guide)
+    guide = _check_guide(guide)
     guide.model.check_data(x)
     if not isinstance(x, torch.Tensor):  # a Dataset / DataLoader: its inputs, in its order
         x = as_tensors(x)[0]
@@ -106,7 +110,7 @@ def linearized_predictive(
         include_noise: add the observation noise (regression).
         chunk_size: rows per Jacobian block.
     """
-    _check_guide(guide)
+    guide = _check_guide(guide)
     ck.positive_int(num_samples, "num_samples"), ck.check_int(seed, "seed", 0, allow_none=True)
     lik = guide.likelihood
     link_approx = lik.check_link_approx(link_approx)

@@ -76,17 +76,24 @@ def optimize_prior_precision(
     y_val: torch.Tensor | None = None,
     grid: torch.Tensor | None = None,
     max_iter: int | None = None,
+    groups: torch.Tensor | None = None,
+    adam: tuple[int, float] | None = None,
 ) -> None:
-    """Choose one scalar ``λ`` (and with ``optimize_sigma`` the noise ``σ``) for ``guide``;
-    write it into the model's prior and update ``Σ``. ``t*`` is kept.
+    """Choose ``λ`` (and with ``optimize_sigma`` the noise ``σ``) for ``guide``; write it into
+    the model's prior and update ``Σ``. ``t*`` is kept.
 
-    ``optimize_sigma`` (a `Gaussian` likelihood only) and ``max_iter`` (L-BFGS iterations,
-    default 100) belong to ``"marglik"``; ``x_val``, ``y_val`` and ``grid`` to ``"grid"``. A
-    keyword the chosen method does not use is an error, never silently ignored."""
+    ``optimize_sigma`` (a `Gaussian` likelihood only), ``max_iter`` (L-BFGS iterations, default
+    100), ``groups`` and ``adam`` belong to ``"marglik"``; ``x_val``, ``y_val`` and ``grid`` to
+    ``"grid"``. A keyword the chosen method does not use is an error, never silently ignored.
+
+    ``groups`` ``(K,)``: integer labels ``0 … G−1``; one ``λ`` per label is tuned (laplace-torch's
+    ``prior_structure="layerwise"`` labels the parameter tensors, ``"diag"`` every weight);
+    ``None``: one ``λ``. ``adam`` ``(n_steps, lr)``: laplace-torch's schedule (Adam on
+    ``log λ``) instead of L-BFGS to convergence."""
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     given = {
-        "optimize_sigma": optimize_sigma, "max_iter": max_iter,
+        "optimize_sigma": optimize_sigma, "max_iter": max_iter, "groups": groups, "adam": adam,
         "x_val": x_val, "y_val": y_val, "grid": grid,
     }  # fmt: skip
     unused = _UNUSED[method]
@@ -106,7 +113,11 @@ def optimize_prior_precision(
         )
     guide._check_fitted()
     if method == "marglik":
-        _optimize_marglik(guide, bool(optimize_sigma), 100 if max_iter is None else max_iter)
+        if adam is not None and max_iter is not None:
+            raise TypeError("max_iter: L-BFGS's; with adam=(n_steps, lr) leave it out")
+        _optimize_marglik(
+            guide, bool(optimize_sigma), 100 if max_iter is None else max_iter, groups, adam
+        )
     elif method == "grid":
         if x_val is None or (y_val is None and isinstance(x_val, torch.Tensor)):
             raise ValueError(
@@ -122,38 +133,61 @@ def optimize_prior_precision(
 
 
 #: the keywords each method does not use, and which method uses each
-_UNUSED = {"marglik": ("x_val", "y_val", "grid"), "grid": ("optimize_sigma", "max_iter")}
+_UNUSED = {
+    "marglik": ("x_val", "y_val", "grid"),
+    "grid": ("optimize_sigma", "max_iter", "groups", "adam"),
+}
 _USED_BY = {
-    "optimize_sigma": "'marglik'", "max_iter": "'marglik'",
+    "optimize_sigma": "'marglik'", "max_iter": "'marglik'", "groups": "'marglik'",
+    "adam": "'marglik'",
     "x_val": "'grid'", "y_val": "'grid'", "grid": "'grid'",
 }  # fmt: skip
 
 
-def _optimize_marglik(guide, optimize_sigma: bool, max_iter: int) -> None:
-    lam0 = guide.prior_precision.mean()
-    log_lam = lam0.log().detach().clone().requires_grad_(True)
+def _optimize_marglik(guide, optimize_sigma: bool, max_iter: int, groups=None, adam=None) -> None:
+    lam0 = guide.prior_precision
+    if groups is None:
+        log_lam = lam0.mean().log().detach().clone().requires_grad_(True)
+        expand = lambda v: v  # noqa: E731 - one λ
+    else:
+        groups = torch.as_tensor(groups, device=guide.loc.device).long()
+        if groups.shape != (guide.model.rank,) or int(groups.min()) < 0:
+            raise ValueError(f"groups: expected ({guide.model.rank},) labels >= 0")
+        n_groups = int(groups.max()) + 1
+        start = lam0.expand(guide.model.rank).double()
+        log_lam = torch.zeros(n_groups, dtype=torch.float64, device=start.device)
+        log_lam.index_reduce_(0, groups, start.log(), "mean", include_self=False)
+        log_lam.requires_grad_(True)
+        expand = lambda v: v[groups]  # noqa: E731 - one λ per group
     params = [log_lam]
     if optimize_sigma:
         log_sigma = torch.tensor(math.log(guide._scalar_sigma()), dtype=torch.float64)
         params.append(log_sigma.requires_grad_(True))
-    opt = torch.optim.LBFGS(params, max_iter=max_iter, line_search_fn="strong_wolfe")
 
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
+    def loss() -> torch.Tensor:
         sigma = params[1].exp() if optimize_sigma else None
-        loss = -guide.log_marginal_likelihood(log_lam.exp(), sigma)
-        loss.backward()
-        return loss
+        return -guide.log_marginal_likelihood(expand(log_lam.exp()), sigma)
 
-    opt.step(closure)
+    if adam is None:
+        opt = torch.optim.LBFGS(params, max_iter=max_iter, line_search_fn="strong_wolfe")
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            value = loss()
+            value.backward()
+            return value
+
+        opt.step(closure)
+    else:
+        n_steps, lr = adam
+        check_int(n_steps, "n_steps", 1)
+        opt = torch.optim.Adam(params, lr=float(lr))
+        for _ in range(n_steps):
+            opt.zero_grad()
+            loss().backward()
+            opt.step()
     if not all(bool(torch.isfinite(p).all()) for p in params):
         raise FloatingPointError("optimize_prior_precision: the evidence diverged")
     if optimize_sigma:
-        sigma = float(params[1].detach().exp())
-        with torch.no_grad():
-            scale = (guide._scalar_sigma() / sigma) ** 2
-            guide.ggn.copy_(guide.structure.scale_curvature(guide.ggn, scale))
-            guide.map_log_likelihood.copy_(guide._gaussian_loglik(torch.tensor(sigma).double()))
-        lik = guide.likelihood  # a learned PyroParam or a buffer: set in place
-        lik.sigma = torch.full_like(lik.sigma.detach(), sigma)
-    guide.set_prior_precision(log_lam.detach().exp())
+        guide.set_sigma(float(params[1].detach().exp()))
+    guide.set_prior_precision(expand(log_lam.detach().exp()))
