@@ -486,6 +486,112 @@ def build() -> None:
     ]:
         probe("likelihoods.Gaussian(...)", what, arg, lambda kw=kw: likelihoods.Gaussian(**kw))
 
+    # ---- the classes of the "nothing silent" issue: labels, members, seeds, paths, keywords
+    # a chosen method does not use, degenerate work, a last layer that is not the output,
+    # ArviZ helpers, streams
+    bad_labels = {
+        "labels 0.5": YC.double() + 0.5,
+        "label out of range": torch.full((N,), 7),
+        "negative label": -torch.ones(N, dtype=torch.long),
+        "labels one short": YC[:-1],
+    }
+    for what, yv in bad_labels.items():
+        probe(
+            "MixtureOfLaplace.optimize_prior_precision", what, "y_val",
+            lambda yv=yv: fitted_mola.optimize_prior_precision("grid", x_val=X, y_val=yv),
+        )  # fmt: skip
+        probe("MixtureOfLaplace.log_prob", what, "y", lambda yv=yv: fitted_mola.log_prob(X, yv))
+        de_c = infer.DeepEnsemble([cls_net(0), cls_net(1)], cat)
+        probe("DeepEnsemble.log_prob", what, "y", lambda yv=yv, de_c=de_c: de_c.log_prob(X, yv))
+        if what != "label out of range":  # from_arrays reads the classes from the labels
+            probe(
+                "datasets.from_arrays", what, "y",
+                lambda yv=yv: datasets.from_arrays(X, yv, task="classification"),
+            )  # fmt: skip
+        probs = torch.rand(N, 3).softmax(-1)
+        probe("metrics.accuracy", what, "y", lambda yv=yv, p=probs: ps.metrics.accuracy(p, yv))
+    nan_x, nan_y = X.clone(), Y.clone()
+    nan_x[4, 1], nan_y[2] = math.nan, math.inf
+    probe("datasets.from_arrays", "x with NaN", "x", lambda: datasets.from_arrays(nan_x, Y))
+    probe("datasets.from_arrays", "y with inf", "y", lambda: datasets.from_arrays(X, nan_y))
+    wide = hook(nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 4)))
+    probe(
+        "DeepEnsemble(...)", "members of 3 and 4 outputs", "nets",
+        lambda: infer.DeepEnsemble([cls_net(0), wide], cat),
+    )  # fmt: skip
+    one = cls_net(0)
+    probe(
+        "train_ensemble", "make_net returns one network", "make_net",
+        lambda: infer.train_ensemble(lambda: one, cat, X, YC, n_members=2, epochs=1, progress=False),
+    )  # fmt: skip
+    probe(
+        "run_chains", "seed overflows for chain 1", "seed",
+        lambda: infer.run_chains(lambda i: i, 2, seed=2**32 - 1, processes=0),
+    )  # fmt: skip
+    out_file = os.path.join(tempfile.mkdtemp(), "a_file")
+    open(out_file, "w").close()
+    probe("CLI fit", "--out an existing file", "--out", lambda: ps.cli.execute(["fit", "--out", out_file]))
+    for what, kw, arg in [
+        ("n_params without a subnetwork", {"n_params": 5}, "n_params"),
+        ("strategy without a subnetwork", {"strategy": "random"}, "strategy"),
+    ]:
+        probe("infer.Laplace(...)", what, arg, lambda kw=kw: infer.Laplace(cls_net(), cat, **kw))
+    la_c = infer.Laplace(cls_net(), cat).fit(X, YC)
+    for what, method, kw, arg in [
+        ("grid with optimize_sigma", "grid", {"x_val": X, "y_val": YC, "optimize_sigma": True}, "optimize_sigma"),
+        ("marglik with max_iter 0", "marglik", {"max_iter": 0}, "max_iter"),
+        ("marglik with val_loader", "marglik", {"val_loader": [(X, YC)]}, "val_loader"),
+        ("gridsearch with a custom loss", "gridsearch", {"val_loader": [(X, YC)], "loss": abs}, "loss"),
+        ("optimize_sigma for a classifier", "marglik", {"optimize_sigma": True}, "optimize_sigma"),
+    ]:
+        probe(
+            "infer.Laplace(...).optimize_prior_precision", what, arg,
+            lambda method=method, kw=kw: la_c.optimize_prior_precision(method, **kw),
+        )  # fmt: skip
+    probe("infer.Laplace(...)(x)", "joint=True", "joint", lambda: la_c(X, joint=True))
+    probe("infer.Laplace(...).fit", "override=False", "override", lambda: la_c.fit(X, YC, override=False))
+    probe(
+        "MixtureOfLaplace.optimize_prior_precision", "marglik with x_val", "x_val",
+        lambda: fitted_mola.optimize_prior_precision("marglik", x_val=X, y_val=YC),
+    )  # fmt: skip
+
+    def bn_net():
+        torch.manual_seed(0)
+        return hook(nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1)))
+
+    probe(
+        "fit_map", "batch_size 1 with BatchNorm (every batch skipped)", "batch_size",
+        lambda: ps.fit_map(bn_net(), gauss, X, Y, epochs=2, batch_size=1, progress=False),
+    )  # fmt: skip
+    still = reg_net()
+    still_col = subspaces.SWACollector(still)
+    for _ in range(5):
+        still_col.collect()
+    probe("subspaces.pca", "a trajectory that never moved", "collector", lambda: subspaces.pca(still_col, 2))
+    probe("subspaces.pca", "rank='mle', never moved", "collector", lambda: subspaces.pca(still_col, "mle"))
+    squashed = hook(nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1), nn.Tanh()))
+    probe(
+        "infer.Laplace(...)", "last layer followed by Tanh", "net",
+        lambda: infer.Laplace(squashed, gauss, "last_layer"),
+    )  # fmt: skip
+    from pyro_subspace.convert import tempered_loo
+
+    mcmc_ran = MCMC(NUTS(model_reg()), num_samples=4, warmup_steps=2, disable_progbar=True)
+    mcmc_ran.run(X, Y)
+    idata = to_inference_data(mcmc_ran)
+    probe("tempered_loo", "the MCMC object, not its export", "data", lambda: tempered_loo(mcmc_ran))
+    probe("tempered_loo", "reff 0", "reff", lambda: tempered_loo(idata, reff=0.0))
+    probe(
+        "to_inference_data", "samples of another K", "samples",
+        lambda: to_inference_data(samples={"t": torch.zeros(3, 5)}, model=model_reg(), args=(X, Y)),
+    )  # fmt: skip
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([(X[0], Y[0])])
+
+    probe("distributed.shard", "a stream without a length", "data", lambda: ps.distributed.shard(Stream()))
+
     # convert, datasets, CLI
     probe(
         "to_inference_data",

@@ -123,6 +123,11 @@ def to_inference_data(
 
     # the model's draws (the trace, the posterior predictive) follow pyro.set_rng_seed(seed);
     # the caller's global generators are left as they were (seed=None: they are advanced)
+    latent_model = getattr(model, "latent_model", None)  # a SubspaceNet: no forward pass
+    if callable(latent_model) and samples is not None:
+        with rng.preserved():  # the prior draw of this check leaves no trace in the streams
+            latent = poutine.trace(latent_model).get_trace()
+        _check_sample_shapes(flat, latent, latent_only=True)
     with rng.seeded(seed):
         prototype = poutine.trace(model).get_trace(*args, **kwargs)
         observed = [
@@ -138,16 +143,7 @@ def to_inference_data(
             ]
             + [0]
         )
-        for name, value in flat.items():  # every site and shape, before any model run
-            site = prototype.nodes.get(name)
-            if site is None:
-                raise ValueError(f"samples: site {name!r} is not a sample site of the model")
-            if _is_random(name, site) and tuple(value.shape[1:]) != tuple(site["value"].shape):
-                raise ValueError(
-                    f"samples[{name!r}]: draws of shape {tuple(value.shape[1:])}, but the model's "
-                    f"site has shape {tuple(site['value'].shape)} (samples of another model, e.g. "
-                    "another rank K?)"
-                )
+        _check_sample_shapes(flat, prototype)  # every site and shape, before any model run
         pieces: dict[str, list[torch.Tensor]] = {"lp": []}
         scales: dict[str, float] = {}
         for start in range(0, n_chains * n_draws, draws_per_chunk):
@@ -388,6 +384,23 @@ def _dataset(group: Any) -> Any:
     import xarray as xr
 
     return group if isinstance(group, xr.Dataset) else group.to_dataset()
+
+
+def _check_sample_shapes(flat: dict, trace: poutine.Trace, latent_only: bool = False) -> None:
+    """Every sampled site is a site of the model with the model's shape (``latent_only``: only
+    the sites ``trace`` has are checked, e.g. a model's latent part traced without data)."""
+    for name, value in flat.items():
+        site = trace.nodes.get(name)
+        if site is None:
+            if latent_only:
+                continue
+            raise ValueError(f"samples: site {name!r} is not a sample site of the model")
+        if _is_random(name, site) and tuple(value.shape[1:]) != tuple(site["value"].shape):
+            raise ValueError(
+                f"samples[{name!r}]: draws of shape {tuple(value.shape[1:])}, but the model's "
+                f"site has shape {tuple(site['value'].shape)} (samples of another model, e.g. "
+                "another rank K?)"
+            )
 
 
 def _data_array(values: np.ndarray, name: str) -> Any:

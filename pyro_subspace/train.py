@@ -104,6 +104,13 @@ def fit_map(
     ck.positive_int(batch_size, "batch_size", allow_none=True)
     ck.choice(optimizer, "optimizer", ("adam", "sgd"))
     streamed = isinstance(x, (Dataset, DataLoader))
+    batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
+    rows = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else None
+    if batchnorm and batch_size == 1 and rows is not None and rows > 1 and epochs + swa_epochs:
+        raise ValueError(  # before any forward pass: every minibatch would be skipped
+            "batch_size: minibatches of 1 are all skipped with BatchNorm in training mode "
+            "(it needs two points), so nothing would be trained: use batch_size >= 2"
+        )
     # tensors: width, dtype, finiteness and targets against the net; a Dataset: its first item
     n = ck.check_data(net, x, y, likelihood, require_y=not streamed)
     if swa_epochs > 0:
@@ -155,7 +162,6 @@ def fit_map(
             collector.collect()
 
     # BatchNorm in training mode needs two rows: a last minibatch of one is skipped
-    batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
     check_batchnorm_loader(net, x)
     if streamed:  # memory bounded by the batch
         if isinstance(x, DataLoader):
