@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from ._checks import positive_int
+from .validation import positive_int
 
 #: Jitters tried, as multiples of the mean diagonal, before a factorisation gives up.
 JITTERS = (0.0, 1e-10, 1e-8, 1e-6)

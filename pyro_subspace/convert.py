@@ -47,7 +47,7 @@ from pyro.poutine.subsample_messenger import _Subsample
 from scipy.special import logsumexp
 
 from . import rng
-from ._checks import check_int, positive_float, positive_int
+from .validation import check_int, positive_float, positive_int
 
 
 def to_inference_data(

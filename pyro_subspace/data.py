@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from . import distributed
-from ._checks import all_finite, positive_int  # all_finite: re-exported
+from .validation import all_finite, positive_int  # all_finite: re-exported
 
 
 class DataSource:

@@ -31,7 +31,7 @@ import torch
 from sklearn.datasets import load_diabetes, load_digits
 from sklearn.model_selection import train_test_split
 
-from ._checks import check_finite, check_labels
+from .validation import check_finite, check_labels
 
 __all__ = ["IN_BETWEEN_CLUSTERS", "TASKS", "TOY_INTERVALS", "Dataset", "diabetes", "digits"]
 __all__ += ["from_arrays", "from_csv", "in_between", "load", "toy_features", "toy_regression"]

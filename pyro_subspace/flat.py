@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from ._checks import positive_int
+from .validation import positive_int
 
 
 class FlatNet:

@@ -12,7 +12,7 @@ may be ``(N,)`` or ``(N, 1)``: both are read as ``(N,)``, never broadcast to ``(
 draws ``(S, N)`` or ``(S, N, 1)``. Classification takes ``probs`` of shape ``(N, C)`` (entries in
 [0, 1], rows summing to 1 within ``max(1e-3, C * eps(dtype))``) and integer labels ``y`` of shape
 ``(N,)`` or ``(N, 1)`` in ``[0, C)`` (whole-number floats pass; a fraction is an error, never
-truncated: `_checks.check_labels`, as for training targets). Every function validates its input
+truncated: `validation.check_labels`, as for training targets). Every function validates its input
 before any work and raises ``TypeError``/``ValueError`` naming the offending argument.
 """
 
@@ -25,7 +25,7 @@ from sklearn.metrics import roc_auc_score
 from torch import Tensor
 from torch.distributions import Normal
 
-from ._checks import check_int, check_labels, probability
+from .validation import check_int, check_labels, probability
 
 #: `categorical_nll` clamps probabilities to at least this before the log, so a zero probability
 #: of the true class costs ``-log(1e-12) ≈ 27.6`` nats instead of ``inf``.

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from . import _checks as ck
+from . import validation as ck
 from . import distributed
 from .data import check_batchnorm_loader
 from .exceptions import TrainingDivergedError

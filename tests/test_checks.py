@@ -15,7 +15,7 @@ from pyro.infer import MCMC, NUTS
 from torch import nn
 
 import pyro_subspace as ps
-from pyro_subspace import _checks as ck
+from pyro_subspace import validation as ck
 from pyro_subspace import datasets, infer, likelihoods, subspaces
 from pyro_subspace.convert import to_inference_data
 

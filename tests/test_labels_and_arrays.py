@@ -1,4 +1,4 @@
-"""Nothing silent: class labels, arrays and member outputs are checked in one place (`_checks`).
+"""Nothing silent: class labels, arrays and member outputs are checked in one place (`validation`).
 
 A fractional, negative or too-large class label, a NaN in an array, validation labels of the
 wrong count and mixture members of different output widths are each a ``ValueError`` naming the
@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from pyro_subspace import FlatNet, _checks, datasets, likelihoods, metrics, subspaces
+from pyro_subspace import FlatNet, datasets, likelihoods, metrics, subspaces, validation
 from pyro_subspace.infer import DeepEnsemble, MixtureOfLaplace
 from pyro_subspace.infer.swag import SWAG, MultiSWAG
 
@@ -93,34 +93,34 @@ def predictors(mola_fixture):
 
 
 def test_check_labels_takes_whole_numbers_and_names_the_first_bad_row():
-    out = _checks.check_labels(Y.double()[:, None], "labels", C)
+    out = validation.check_labels(Y.double()[:, None], "labels", C)
     assert out.dtype == torch.int64 and torch.equal(out, Y)
-    assert torch.equal(_checks.check_labels(Y.to(torch.int32), "labels", C), Y)
+    assert torch.equal(validation.check_labels(Y.to(torch.int32), "labels", C), Y)
     for bad, where in BAD_LABELS.values():
         with pytest.raises(ValueError, match=rf"^labels: .*{where}"):
-            _checks.check_labels(bad, "labels", C)
+            validation.check_labels(bad, "labels", C)
     with pytest.raises(ValueError, match=r"^labels: expected 11 labels, one per row of x_val"):
-        _checks.check_labels(Y, "labels", C, n=11, x_name="x_val")
+        validation.check_labels(Y, "labels", C, n=11, x_name="x_val")
     with pytest.raises(TypeError, match=r"^labels"):
-        _checks.check_labels(Y.tolist(), "labels", C)
+        validation.check_labels(Y.tolist(), "labels", C)
 
 
 def test_check_finite_names_row_and_column():
     a = np.zeros((5, 3))
     a[3, 2] = np.inf
     with pytest.raises(ValueError, match=r"^arr: contains NaN or inf \(inf at row 3, column 2\)"):
-        _checks.check_finite(a, "arr")
+        validation.check_finite(a, "arr")
     x = X.clone()
     x[6, 1] = math.nan
     with pytest.raises(ValueError, match=r"^x: contains NaN or inf \(nan at row 6, column 1\)"):
-        _checks.check_inputs(None, x)
+        validation.check_inputs(None, x)
 
 
 def test_check_data_names_the_callers_label_argument():
     with pytest.raises(ValueError, match=r"^y_val: class labels must be integers.* 0\.5 at row 4"):
-        _checks.check_data(counted(), X, BAD_LABELS["fraction"][0], CAT, y_name="y_val")
+        validation.check_data(counted(), X, BAD_LABELS["fraction"][0], CAT, y_name="y_val")
     with pytest.raises(ValueError, match=r"^y_val: expected labels in \[0, 3\), got 3 at row 5"):
-        _checks.check_data(counted(), X, BAD_LABELS["too_large"][0], CAT, y_name="y_val")
+        validation.check_data(counted(), X, BAD_LABELS["too_large"][0], CAT, y_name="y_val")
 
 
 def test_categorical_likelihood_uses_the_shared_check():

@@ -27,7 +27,7 @@ from torch import nn
 from torch.func import vjp, vmap
 
 from .. import distributed
-from .._checks import positive_int
+from ..validation import positive_int
 from ..autodiff import jvp_any, jvps, strategy_of
 from ..data import DataSource
 from ..flat import FlatNet, eval_mode

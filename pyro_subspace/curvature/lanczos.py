@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from linear_operator.utils.lanczos import lanczos_tridiag
 
-from .._checks import check_int
+from ..validation import check_int
 
 
 def _check_int(value: object, name: str, low: int, high: int) -> int:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .. import _checks, distributed, rng
+from .. import distributed, rng, validation
 
 __all__ = ["run_chains"]
 
@@ -79,7 +79,7 @@ def run_chains(
     """
     if not callable(fn):
         raise TypeError(f"fn: expected a callable fn(chain), got {type(fn).__name__}")
-    _checks.positive_int(num_chains, "num_chains")
+    validation.positive_int(num_chains, "num_chains")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
     if seed < 0 or seed + num_chains - 1 > MAX_SEED:  # every chain's, before any chain runs
@@ -87,7 +87,7 @@ def run_chains(
             f"seed: chains are seeded seed + i for i < num_chains={num_chains}, and NumPy takes "
             f"seeds in [0, {MAX_SEED}]: use 0 <= seed <= {MAX_SEED - num_chains + 1}, got {seed}"
         )
-    _checks.positive_int(threads, "threads")
+    validation.positive_int(threads, "threads")
     if processes is not None and (
         isinstance(processes, bool) or not isinstance(processes, int) or processes < 0
     ):

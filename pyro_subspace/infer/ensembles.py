@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .. import _checks, rng
+from .. import rng, validation
 from ..flat import eval_mode
 from ..likelihoods import Bernoulli, Likelihood, check_likelihood
 from ..subspaces import SWACollector
@@ -102,10 +102,10 @@ class MixturePredictor:
             return torch.logsumexp(log_w[:, None] + log_p, dim=0)
         probs = torch.einsum("m,m...->...", weights, comp)
         if probs.dim() == 1:  # Bernoulli
-            y = _checks.check_labels(y, y_name, 2, probs.shape[0])
+            y = validation.check_labels(y, y_name, 2, probs.shape[0])
             p = torch.where(y.to(probs.device).bool(), probs, 1 - probs)
         else:  # the range again, for members whose width their structure did not tell
-            y = _checks.check_labels(y, y_name, probs.shape[-1], probs.shape[0])
+            y = validation.check_labels(y, y_name, probs.shape[-1], probs.shape[0])
             p = probs.gather(1, y.to(probs.device)[:, None]).squeeze(1)
         return p.clamp_min(1e-12).log()
 
@@ -114,15 +114,15 @@ class MixturePredictor:
     ) -> torch.Tensor:
         """Check targets ``y`` for inputs ``x`` before any forward pass; return them.
 
-        Classification: `_checks.check_labels` (one integer label per row of ``x`` in
+        Classification: `validation.check_labels` (one integer label per row of ``x`` in
         ``[0, C)``, ``C`` the members' output width when their structure tells it, 2 for
         `Bernoulli`; whole-number floats pass, fractions are errors), as int64. Regression: a
         real tensor of finite targets, one (row) per row of ``x``.
         """
-        n = _checks.check_inputs(None, x, x_name)
+        n = validation.check_inputs(None, x, x_name)
         if not self.is_regression:
             c = 2 if isinstance(self.likelihood, Bernoulli) else self._out_width
-            return _checks.check_labels(y, y_name, c, n, x_name=x_name, why=_why(c, self))
+            return validation.check_labels(y, y_name, c, n, x_name=x_name, why=_why(c, self))
         if not isinstance(y, torch.Tensor):
             raise TypeError(f"{y_name}: expected a torch.Tensor of targets, got {type(y).__name__}")
         if y.is_complex() or y.dtype == torch.bool:
@@ -132,7 +132,7 @@ class MixturePredictor:
                 f"{y_name}: expected {n} targets, one per row of {x_name}, got shape "
                 f"{tuple(y.shape)}"
             )
-        _checks.check_finite(y, y_name)
+        validation.check_finite(y, y_name)
         return y
 
 
@@ -202,11 +202,11 @@ def train_ensemble(
     if not callable(make_net):
         raise TypeError(f"make_net: expected a callable returning a network, got {make_net!r}")
     check_likelihood(likelihood)
-    _checks.check_data(None, x, y, require_y=True)
-    _checks.check_int(max_snapshots, "max_snapshots", 2)
-    _checks.positive_float(swa_lr, "swa_lr", allow_none=True)
+    validation.check_data(None, x, y, require_y=True)
+    validation.check_int(max_snapshots, "max_snapshots", 2)
+    validation.positive_float(swa_lr, "swa_lr", allow_none=True)
     if seeds is None:
-        _checks.positive_int(n_members, "n_members")
+        validation.positive_int(n_members, "n_members")
         seeds = list(range(n_members))
     else:
         seeds = list(seeds)
@@ -215,7 +215,7 @@ def train_ensemble(
         if len(set(seeds)) != len(seeds):
             raise ValueError(f"seeds: expected distinct seeds, got {seeds!r}")
     if collector:  # SWAG needs at least two snapshots
-        _checks.check_int(swa_epochs, "swa_epochs", 2)
+        validation.check_int(swa_epochs, "swa_epochs", 2)
     for key in ("collector", "swa_epochs", "swa_lr", "seed", "progress"):
         if key in fit_map_kwargs:
             raise TypeError(f"{key}: set by train_ensemble itself; not a fit_map_kwargs entry")
@@ -312,10 +312,10 @@ class DeepEnsemble(MixturePredictor):
 
 
 def output_width(nets: Sequence[nn.Module], name: str = "nets") -> int | None:
-    """The output width ``O`` the members share, read from their structure (`_checks.net_spec`,
+    """The output width ``O`` the members share, read from their structure (`validation.net_spec`,
     no forward pass); ``None`` when no member's structure tells it. Members whose widths differ
     are a ``ValueError`` naming ``name``: a mixture needs one output space."""
-    widths = [(i, _checks.net_spec(net).out_width) for i, net in enumerate(nets)]
+    widths = [(i, validation.net_spec(net).out_width) for i, net in enumerate(nets)]
     known = [(i, w) for i, w in widths if w is not None]
     for i, w in known[1:]:
         if w != known[0][1]:
@@ -369,10 +369,10 @@ def member_predictives(
 
 def check_inputs(x: object, name: str = "x", nets: Sequence[nn.Module] = ()) -> int:
     """Raise unless ``x`` is a finite tensor ``(N, ...)``, ``N >= 1``, that every network in
-    ``nets`` takes (width, dtype, device: `_checks.check_inputs`); return N."""
-    n = _checks.check_inputs(None, x, name)
+    ``nets`` takes (width, dtype, device: `validation.check_inputs`); return N."""
+    n = validation.check_inputs(None, x, name)
     for net in nets:
-        _checks.check_inputs(net, x, name)
+        validation.check_inputs(net, x, name)
     return n
 
 

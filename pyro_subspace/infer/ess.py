@@ -26,7 +26,7 @@ from pyro import poutine
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
 from .. import distributed
-from .._checks import positive_int
+from ..validation import positive_int
 from .gaussian_prior import check_full_data, gaussian_priors, refuse_subsampling
 
 

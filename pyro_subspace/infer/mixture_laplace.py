@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
-from .. import _checks
+from .. import validation
 from ..transaction import transaction
 from ..curvature import subspace_jacobians
 from ..flat import eval_mode
@@ -143,7 +143,7 @@ class MixtureOfLaplace(MixturePredictor):
             )
         if prior_mean not in ("zero", "shift"):
             raise ValueError(f"prior_mean: expected 'zero' or 'shift', got {prior_mean!r}")
-        check_temperature(temperature), _checks.positive_int(chunk_size, "chunk_size")
+        check_temperature(temperature), validation.positive_int(chunk_size, "chunk_size")
         self.subset = subset
         self.weight_rule = "fixed" if fixed is not None else weights
         self.weights = (
@@ -203,7 +203,7 @@ class MixtureOfLaplace(MixturePredictor):
             raise ValueError("y: the training targets are required with tensor inputs")
         else:
             for net, lik in zip(self.nets, self.likelihoods):  # every member, before any work
-                _checks.check_data(net, x, y, lik, require_y=True)
+                validation.check_data(net, x, y, lik, require_y=True)
         # all or nothing: the new members are built aside and swapped in at the end, so an
         # interrupted or failed refit leaves the mixture as it was (never part-fitted)
         members = []

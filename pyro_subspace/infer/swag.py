@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .._checks import check_int, positive_float, positive_int
+from ..validation import check_int, positive_float, positive_int
 from ..flat import eval_mode
 from ..likelihoods import Likelihood
 from ..subspaces import SWACollector

@@ -30,7 +30,7 @@ from pyro import sample as pyro_sample
 from pyro.distributions import Distribution
 from pyro.nn import PyroModule
 
-from .._checks import check_finite, positive_float
+from ..validation import check_finite, positive_float
 
 #: Ways of turning Gaussian outputs into a predictive (`Likelihood.predictive_from_moments`).
 LINK_APPROXES = ("auto", "closed_form", "probit", "mc", "bridge", "bridge_norm")

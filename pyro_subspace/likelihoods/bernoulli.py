@@ -8,7 +8,7 @@ import torch
 from pyro.distributions import Bernoulli as _Bernoulli
 from pyro.distributions import Distribution
 
-from .._checks import check_labels
+from ..validation import check_labels
 from .._linalg import gaussian_draws
 from .base import Likelihood
 

@@ -8,7 +8,7 @@ import torch
 from pyro.distributions import Categorical as _Categorical
 from pyro.distributions import Distribution
 
-from .._checks import check_labels
+from ..validation import check_labels
 from .._linalg import gaussian_draws
 from .base import Likelihood
 
@@ -25,7 +25,7 @@ class Categorical(Likelihood):
 
     def prepare_target(self, y: torch.Tensor, n: int) -> torch.Tensor:
         """Labels as int64 ``(n,)``: integers ``>= 0`` (whole-number floats pass), checked by
-        `_checks.check_labels`, the one check of class labels."""
+        `validation.check_labels`, the one check of class labels."""
         return check_labels(super().prepare_target(y, n), "y")
 
     def distribution(self, outputs: torch.Tensor) -> Distribution:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from pyro.distributions import Distribution, Normal, constraints
 from pyro.nn import PyroParam
 
-from .._checks import choice, positive_float
+from ..validation import choice, positive_float
 from .base import Likelihood
 
 

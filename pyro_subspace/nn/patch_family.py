@@ -67,7 +67,7 @@ from pyro.distributions import Bernoulli, Categorical, Delta, Normal
 from pyro.poutine.runtime import get_plates
 from torch import nn
 
-from .. import _checks as ck
+from .. import validation as ck
 from .. import rng
 from .subspace_net import check_data
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .. import _checks, distributed
+from .. import distributed, validation
 from ..data import check_batchnorm_loader
 from ..flat import preserved, train_mode
 from ..minibatch import loader_loop, minibatch_loop, shuffle_generator
@@ -19,15 +19,15 @@ def fit(model, x, y, epochs: int, lr: float, batch_size: int, method: str, seed:
     """The body of `PatchedNet.fit` (its docstring documents the arguments and the result)."""
     streamed = isinstance(x, (Dataset, DataLoader))
     # tensors: width, dtype, finiteness and targets against the net; a Dataset: its first item
-    n = _checks.check_data(model.net, x, y, model.likelihood, require_y=not streamed)
+    n = validation.check_data(model.net, x, y, model.likelihood, require_y=not streamed)
     if streamed and n == 0:
         raise ValueError(
             "x: PatchedNet.fit needs the number of training points N (eq. 7 weighs the prior "
             "by 1/N): give a Dataset with a length (or a DataLoader over one)"
         )
-    _checks.positive_int(epochs, "epochs"), _checks.positive_int(batch_size, "batch_size")
+    validation.positive_int(epochs, "epochs"), validation.positive_int(batch_size, "batch_size")
     positive(lr, "lr")
-    _checks.choice(method, "method", ("torch", "svi"))
+    validation.choice(method, "method", ("torch", "svi"))
     if distributed.active() and method == "svi":
         raise ValueError("method: 'svi' is not data-parallel (torch.distributed); use 'torch'")
     local_n = n

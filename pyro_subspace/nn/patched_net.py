@@ -33,7 +33,7 @@ from pyro.nn import PyroModule
 from pyro.nn.module import pyro_method
 from torch import nn
 
-from .. import _checks
+from .. import validation
 from ..flat import FlatNet, eval_mode
 from ..likelihoods import Likelihood, check_temperature
 from ..threads import thread_policy
@@ -127,7 +127,7 @@ class PatchedNet(PyroModule):
         positive(init_jitter, "init_jitter", allow_zero=True)
         check_temperature(temperature)
         if subsample_size is not None:
-            _checks.positive_int(subsample_size, "subsample_size")
+            validation.positive_int(subsample_size, "subsample_size")
         if init not in ("reset", "copy"):
             raise ValueError(f"init: expected 'reset' or 'copy', got {init!r}")
         super().__init__()
@@ -215,7 +215,7 @@ class PatchedNet(PyroModule):
             same sites as the guide, usable as ``Predictive(model, posterior_samples=...)``.
         """
         return self.family.sample(
-            self._parameters, _checks.positive_int(num_samples, "num_samples")
+            self._parameters, validation.positive_int(num_samples, "num_samples")
         )
 
     # ----------------------------------------------------------------------------------------
@@ -273,7 +273,7 @@ class PatchedNet(PyroModule):
         Evaluated in eval mode (BatchNorm uses its running statistics and leaves them
         unchanged); the modes of the model and the net are restored afterwards.
         """
-        _checks.check_data(self.net, x)
+        validation.check_data(self.net, x)
         draws = self.sample_weights(num_samples)
         weights = {s.name: draws[s.site] for s in self.slots}
         with eval_mode(self, self.net):
@@ -405,7 +405,7 @@ class PatchedNet(PyroModule):
         """Model: ``"obs"`` ``(N,)`` given ``x`` ``(N, ...)`` (returned; sampled if ``y`` is None),
         ``x`` a minibatch of ``num_data`` points if given. With `guide`, ``Trace_ELBO`` is eq. (7)
         plus `elbo_constant`, which dominates it: subtract it. Sites: see the class."""
-        _checks.check_data(self.net, x, y, self.likelihood)
+        validation.check_data(self.net, x, y, self.likelihood)
         n, size, total = check_call(x, y, subsample_size or self.subsample_size, num_data)
         like = self._like()
         z = {}

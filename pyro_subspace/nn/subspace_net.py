@@ -23,7 +23,7 @@ from pyro.nn import PyroModule
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .. import _checks
+from .. import validation
 from ..data import DataSource, all_finite, as_tensors
 from ..flat import FlatNet, eval_mode
 from ..likelihoods import Likelihood, check_temperature
@@ -145,7 +145,7 @@ class SubspaceNet(PyroModule):
                 f"likelihood: expected a pyro_subspace Likelihood, got {type(likelihood).__name__}"
             )
         if not isinstance(prior_scale, torch.Tensor):
-            _checks.positive_float(prior_scale, "prior_scale")
+            validation.positive_float(prior_scale, "prior_scale")
         elif not prior_scale.is_floating_point():
             raise TypeError(f"prior_scale: expected a float tensor, got dtype {prior_scale.dtype}")
         scale = torch.as_tensor(
@@ -251,7 +251,7 @@ class SubspaceNet(PyroModule):
         """Set ``λ`` (a positive float or ``(K,)``; scalar with ``prior_mean="zero"``) in place:
         every method using this model then targets the posterior under the new prior."""
         if not isinstance(prior_precision, torch.Tensor):
-            _checks.positive_float(prior_precision, "prior_precision")
+            validation.positive_float(prior_precision, "prior_precision")
         lam = torch.as_tensor(prior_precision, dtype=torch.float64)
         if lam.dim() > 1 or (lam.dim() == 1 and lam.shape[0] != self.rank):
             raise ValueError(
@@ -308,8 +308,8 @@ class SubspaceNet(PyroModule):
 
     def check_data(self, x: object, y: object = None) -> int:
         """Check inputs ``(N, ...)`` and targets against the network, the subspace's dtype and
-        the likelihood before any evaluation (`_checks.check_data`); return ``N``."""
-        return _checks.check_data(
+        the likelihood before any evaluation (`validation.check_data`); return ``N``."""
+        return validation.check_data(
             self.flat.net, x, y, self.likelihood, dtype=self.subspace.shift.dtype
         )
 
@@ -401,4 +401,4 @@ def check_data(x: torch.Tensor, y: torch.Tensor | None) -> int:
 
 
 def _check_subsample(size: int | None) -> int | None:
-    return _checks.positive_int(size, "subsample_size", allow_none=True)
+    return validation.positive_int(size, "subsample_size", allow_none=True)

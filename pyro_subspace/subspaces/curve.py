@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import _checks as ck
+from .. import validation as ck
 from ..flat import FlatNet, eval_mode, preserved
 from ..likelihoods import Likelihood, check_likelihood
 from ..minibatch import minibatch_loop, shuffle_generator

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import positive_int
+from ..validation import positive_int
 
 
 def _check_int(name: str, value: object) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import _checks as ck
+from .. import validation as ck
 from ..curvature import (
     GGNOperator,
     block_lanczos_eigh,

@@ -18,7 +18,7 @@ from scipy.special import gammaln
 from sklearn.utils.extmath import randomized_svd
 from torch import nn
 
-from .._checks import check_int
+from ..validation import check_int
 from ..flat import FlatNet
 from .base import Subspace
 from .frequent_directions import FrequentDirections

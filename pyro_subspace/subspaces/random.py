@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import check_int
+from ..validation import check_int
 from ..flat import FlatNet
 from .base import Subspace
 

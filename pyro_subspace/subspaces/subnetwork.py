@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .. import _checks as ck
+from .. import validation as ck
 from ..flat import FlatNet
 from ..likelihoods import check_likelihood
 from .base import Subspace

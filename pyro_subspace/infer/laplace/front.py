@@ -17,7 +17,7 @@ import torch
 from pyro.poutine.runtime import am_i_wrapped
 from torch import nn
 
-from ... import _checks as ck
+from ... import validation as ck
 from ..._linalg import gaussian_draws
 from ...flat import FlatNet
 from ...likelihoods import Likelihood, check_likelihood, check_temperature

@@ -20,7 +20,7 @@ import pyro
 import torch
 from pyro.infer.autoguide import AutoContinuous, AutoGuide
 
-from ... import _checks as ck
+from ... import validation as ck
 from ..._linalg import row_gram, symmetrize_
 from ...data import DataSource
 from ...gram import RootRows

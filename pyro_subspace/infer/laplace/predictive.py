@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ... import _checks as ck
+from ... import validation as ck
 from ...data import as_tensors
 from ...flat import FlatNet
 

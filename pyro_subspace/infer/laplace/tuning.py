@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..._checks import check_int
+from ...validation import check_int
 from ...data import as_tensors
 from ...flat import FlatNet
 
