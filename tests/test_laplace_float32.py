@@ -1,5 +1,5 @@
 """Float32 subnetwork Laplace (issue 13): float32 Jacobian products summed in float64 (`gram`),
-the in-place LAPACK posterior (`_linalg.posterior_factors_`), the guide's ``dtype`` buffers and
+the in-place LAPACK posterior (`linalg.posterior_factors_`), the guide's ``dtype`` buffers and
 their fallback to float64, all against dense float64 linear algebra."""
 
 import copy
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pyro_subspace import SubspaceNet, gram, likelihoods, subspaces
-from pyro_subspace._linalg import posterior_factors_, reverse_, symmetrize_
+from pyro_subspace.linalg import posterior_factors_, reverse_, symmetrize_
 from pyro_subspace.infer import AutoSubspaceLaplace, linearized_moments
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyro_subspace import _linalg
+from pyro_subspace import linalg
 
 
 def spd(k, dtype):
@@ -20,8 +20,8 @@ def spd(k, dtype):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_scale_tril_and_covariance_match_the_inverse(k, dtype, monkeypatch):
     p = spd(k, dtype)
-    s = _linalg.precision_to_scale_tril(p)
-    cov = _linalg.tril_outer(s)
+    s = linalg.precision_to_scale_tril(p)
+    cov = linalg.tril_outer(s)
     inv = torch.linalg.inv(p.double())
     # float64: a condition number ~1e3 times the unit roundoff; float32 the same with 2^-24
     tol = 1e-11 if dtype == torch.float64 else 1e-3
@@ -29,8 +29,8 @@ def test_scale_tril_and_covariance_match_the_inverse(k, dtype, monkeypatch):
     assert ((s.double() @ s.double().T - inv).abs().max() / inv.abs().max()) < tol
     assert ((cov.double() - inv).abs().max() / inv.abs().max()) < tol
     assert torch.equal(cov, cov.T)
-    monkeypatch.setattr(_linalg, "_lapack", lambda a: None)  # the torch routes
-    s_torch = _linalg.precision_to_scale_tril(p)
-    cov_torch = _linalg.tril_outer(s_torch)
+    monkeypatch.setattr(linalg, "_lapack", lambda a: None)  # the torch routes
+    s_torch = linalg.precision_to_scale_tril(p)
+    cov_torch = linalg.tril_outer(s_torch)
     assert ((s - s_torch).abs().max() / s_torch.abs().max()) < tol
     assert ((cov - cov_torch).abs().max() / cov_torch.abs().max()) < tol

@@ -9,7 +9,7 @@ from pyro.distributions import Bernoulli as _Bernoulli
 from pyro.distributions import Distribution
 
 from ..validation import check_labels
-from .._linalg import gaussian_draws
+from ..linalg import gaussian_draws
 from .base import Likelihood
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .._linalg import symmetrize_
+from ..linalg import symmetrize_
 from ..flat import FlatNet, eval_mode
 from ..jacobians import Blocks, as_2d, weighted
 from .base import IndexSubspace

@@ -18,7 +18,7 @@ from pyro.poutine.runtime import am_i_wrapped
 from torch import nn
 
 from ... import validation as ck
-from ..._linalg import gaussian_draws
+from ...linalg import gaussian_draws
 from ...flat import FlatNet
 from ...likelihoods import Likelihood, check_likelihood, check_temperature
 from ...nn import SubspaceNet

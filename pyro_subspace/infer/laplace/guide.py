@@ -21,7 +21,7 @@ import torch
 from pyro.infer.autoguide import AutoContinuous, AutoGuide
 
 from ... import validation as ck
-from ..._linalg import row_gram, symmetrize_
+from ...linalg import row_gram, symmetrize_
 from ...data import DataSource
 from ...gram import RootRows
 from ...nn import SubspaceNet

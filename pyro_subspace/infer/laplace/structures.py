@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..._linalg import (
+from ...linalg import (
     FLOAT32_MAX_CONDITION,
     blas_module,
     blas_threads,
@@ -86,10 +86,10 @@ class FullStructure:
     ) -> None:
         """Write ``Σ⁻¹ = curv/T + Λ₀`` (``Λ₀ = λ PᵀP``, ``λ I`` for an index basis, or
         ``diag(λ)``), its scale ``L`` and ``Σ`` into the three ``(K, K)`` buffers, in their
-        dtype, without ``(K, K)`` temporaries on CPU (`_linalg.posterior_factors_`). A precision
+        dtype, without ``(K, K)`` temporaries on CPU (`linalg.posterior_factors_`). A precision
         that does not factorise so (not positive definite or evidently ill-conditioned in
         float32, or off CPU) is formed again in float64 from ``curv`` and factorised there, with
-        jitter if needed (`_linalg.precision_to_scale_tril`); the buffers get the result."""
+        jitter if needed (`linalg.precision_to_scale_tril`); the buffers get the result."""
 
         fill = lambda p: FullStructure._precision_(curv, temperature, lam, model, p)
         if posterior_factors_(fill(precision), scale_tril, covariance):
