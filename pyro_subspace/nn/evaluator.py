@@ -11,16 +11,12 @@ hook `DataSource.reduce` (an ``all_reduce``; a no-op without a process group).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from pyro.nn import PyroModule
 
 from ..data import DataSource
 from ..flat import FlatNet, preserved
 from ..gram import RootRows
-
-if TYPE_CHECKING:
-    from .subspace_net import SubspaceNet
 
 
 class Evaluator:
@@ -38,7 +34,7 @@ class Evaluator:
     ``temperature`` is ``T`` for ``N = data.num_data`` (``N/K`` when the model's is ``"auto"``).
     """
 
-    def __init__(self, model: SubspaceNet, data: DataSource, recompute_bn: bool = False) -> None:
+    def __init__(self, model: PyroModule, data: DataSource, recompute_bn: bool = False) -> None:
         self.model, self.data = model, data
         self.num_data = data.num_data
         self.temperature = model.temperature_for(self.num_data)

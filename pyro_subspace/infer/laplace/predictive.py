@@ -7,16 +7,12 @@ distribution (closed form, probit or Monte Carlo: `Likelihood.predictive_from_mo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from pyro.infer.autoguide import AutoGuide
 
 from ... import validation as ck
 from ...data import as_tensors
 from ...flat import FlatNet
-
-if TYPE_CHECKING:  # the guide imports this module (its `predict`)
-    from .guide import AutoSubspaceLaplace
 
 
 def _check_guide(guide: object):
@@ -34,7 +30,7 @@ def _check_guide(guide: object):
 
 
 def linearized_moments(
-    guide: AutoSubspaceLaplace,
+    guide: AutoGuide,
     x: torch.Tensor,
     covariance: torch.Tensor | None = None,
     chunk_size: int | None = None,
@@ -88,7 +84,7 @@ def linearized_moments(
 
 
 def linearized_predictive(
-    guide: AutoSubspaceLaplace,
+    guide: AutoGuide,
     x: torch.Tensor,
     link_approx: str = "auto",
     num_samples: int = 1000,
