@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.func import jacrev, vmap
 
-from .autodiff import jvps, per_sample_jacobians_rowwise
+from .autodiff import jvps, per_sample_jacobians_rowwise, plain_kernels
 from .flat import FlatNet, eval_mode
 
 #: Budget (in numbers) for one block of per-sample Jacobians ``(rows, O, D)``: 50M numbers is
@@ -69,7 +69,6 @@ def selected_jacobians(flat: FlatNet, w: torch.Tensor, idx: torch.Tensor):
     parameters stay at ``w``. ``vmap`` over rows of ``jacrev``; where ``vmap`` fails (RNNs),
     ``jacrev`` row by row under `autodiff.plain_kernels`.
     """
-    from .autodiff import plain_kernels
 
     params = flat.unflatten(w.detach())
     starts = torch.tensor([0, *flat.numels]).cumsum(0)
@@ -343,7 +342,6 @@ def factored_square_sums(
     `autodiff.plain_kernels`. Blocks of at most ``chunk_size`` and
     ``SQUARE_SUM_NUMBERS // (C·D)`` rows.
     """
-    from .autodiff import plain_kernels
 
     params = flat.unflatten(w.detach())
     sums = {name: torch.zeros_like(p) for name, p in params.items()}

@@ -27,7 +27,6 @@ from torch import nn
 from torch.func import vjp, vmap
 
 from .. import distributed
-from ..validation import positive_int
 from ..autodiff import jvp_any, jvps, strategy_of
 from ..data import DataSource
 from ..flat import FlatNet, eval_mode
@@ -39,7 +38,8 @@ from ..jacobians import (
     weighted,
 )
 from ..likelihoods import Likelihood, check_likelihood
-from ..subspaces.base import Subspace
+from ..validation import positive_int
+from .blocks import JacobianBlockSource
 from .output_hessian import hessian_factor, output_hessian
 
 #: Networks on which the one-pass dual-number product failed (they use jvp, then vjp).
@@ -205,7 +205,7 @@ def ggn_in_subspace(
     net: nn.Module,
     likelihood: Likelihood,
     x: torch.Tensor,
-    subspace: Subspace,
+    subspace: JacobianBlockSource,
     chunk_size: int = 1024,
     *,
     w: torch.Tensor | None = None,
@@ -255,7 +255,7 @@ def ggn_from_blocks(
 def subspace_jacobians(
     net: nn.Module,
     x: torch.Tensor,
-    subspace: Subspace,
+    subspace: JacobianBlockSource,
     chunk_size: int | None = 1024,
     *,
     w: torch.Tensor | None = None,
@@ -294,7 +294,7 @@ def subspace_jacobians(
 
 
 def _check_subspace(subspace: object, w: torch.Tensor) -> None:
-    if not isinstance(subspace, Subspace):
+    if not isinstance(subspace, JacobianBlockSource):
         raise TypeError(f"subspace: expected a Subspace, got {type(subspace).__name__}")
     if subspace.dim != w.numel():
         raise ValueError(f"subspace: has D={subspace.dim}, the network has {w.numel()} weights")

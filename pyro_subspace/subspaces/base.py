@@ -22,12 +22,13 @@ import os
 import torch
 from torch import nn
 
+from ..curvature.blocks import JacobianBlockSource
 from ..flat import FlatNet
 from ..gram import RootRows, gram_from_blocks
 from ..jacobians import Blocks, Factor, dense_jacobian_blocks, index_jacobian_blocks, weighted
 
 
-class Subspace(nn.Module):
+class Subspace(nn.Module, JacobianBlockSource):
     """An affine subspace ``w = shift + basis @ t`` of the flat weight space.
 
     Args:

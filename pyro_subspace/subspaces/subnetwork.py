@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .. import validation as ck
+from ..curvature import ggn_diagonal
 from ..flat import FlatNet
 from ..likelihoods import check_likelihood
 from .base import Subspace
@@ -138,8 +139,6 @@ def subnetwork(
         ck.positive_float(prior_precision, "prior_precision")
         ck.positive_int(chunk_size, "chunk_size", allow_none=True)
         ck.check_data(net, x)
-        from ..curvature import ggn_diagonal
-
         score = 1.0 / (ggn_diagonal(net, likelihood, x, chunk_size) + prior_precision)
     elif strategy == "swag":
         if not isinstance(collector, SWACollector):

@@ -31,6 +31,7 @@ from .deferred import DeferredPosterior
 from .map_search import _find_map, _newton, _warn_unconverged, has_kinks, posterior_offset
 from .predictive import linearized_predictive
 from .structures import make_structure
+from .tuning import optimize_prior_precision
 
 PRIOR_MEANS = ("shift", "zero")
 #: The buffers of the curvature and the posterior, in the guide's ``dtype``.
@@ -512,8 +513,6 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
     def optimize_prior_precision(self, method: str = "marglik", **kwargs: object):
         """Choose ``λ`` (and optionally ``σ``) by ``"marglik"`` (type-II maximum likelihood) or
         ``"grid"`` (validation log-likelihood); see `tuning.optimize_prior_precision`."""
-        from .tuning import optimize_prior_precision
-
         optimize_prior_precision(self, method, **kwargs)
         return self
 

@@ -15,9 +15,9 @@ import math
 
 import torch
 
-from ...validation import check_int
 from ...data import as_tensors
 from ...flat import FlatNet
+from ...validation import check_int
 
 #: The default grid of prior precisions, ``10^-4 … 10^4`` (33 values), for every posterior.
 DEFAULT_GRID = torch.logspace(-4, 4, 33, dtype=torch.float64)
