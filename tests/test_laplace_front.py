@@ -157,7 +157,7 @@ def test_predict_and_tuning_take_laplace_torch_names():
     other.optimize_prior_precision(method="gridsearch", val_loader=loader, grid=grid)
     assert float(other.prior_precision) == lam
     torch.testing.assert_close(other.grid_scores, scores, rtol=1e-12, atol=0)
-    with pytest.raises(TypeError, match="x: is float32"):  # named before any work
+    with pytest.raises(TypeError, match="x_val: is float32"):  # named before any work
         other.optimize_prior_precision("grid", x_val=xv.float(), y_val=yv, grid=grid)
 
 

@@ -306,12 +306,16 @@ class SubspaceNet(PyroModule):
         ev = self.evaluator(x, y, chunk_size, recompute_bn)
         return (lambda params: ev.log_likelihood(params["t"])), ev.restore
 
-    def check_data(self, x: object, y: object = None) -> int:
+    def check_data(
+        self, x: object, y: object = None, x_name: str = "x", y_name: str = "y"
+    ) -> int:
         """Check inputs ``(N, ...)`` and targets against the network, the subspace's dtype and
-        the likelihood before any evaluation (`validation.check_data`); return ``N``."""
+        the likelihood before any evaluation (`validation.check_data`; messages name
+        ``x_name``/``y_name``, the caller's arguments); return ``N``."""
         return validation.check_data(
-            self.flat.net, x, y, self.likelihood, dtype=self.subspace.shift.dtype
-        )
+            self.flat.net, x, y, self.likelihood, dtype=self.subspace.shift.dtype,
+            x_name=x_name, y_name=y_name,
+        )  # fmt: skip
 
     def outputs(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Network outputs at ``w = ŵ + P t``.

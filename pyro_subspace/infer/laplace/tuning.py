@@ -124,7 +124,8 @@ def optimize_prior_precision(
                 "x_val, y_val: the grid method needs validation data: tensors, or a Dataset /"
                 " DataLoader of (x, y) as x_val"
             )
-        guide.model.check_data(x_val, y_val)  # width, dtype, device, NaN: before any work
+        # width, dtype, device, NaN, labels: before any work, named as the caller's arguments
+        guide.model.check_data(x_val, y_val, x_name="x_val", y_name="y_val")
         x_val, y_val = as_tensors(x_val, y_val)  # a Dataset / DataLoader: read once
         grid = check_grid(grid)
         scores = validation_log_likelihood(guide, x_val, y_val, grid)
