@@ -364,11 +364,20 @@ def test_regression_and_classification_patterns_match_laplace_torch():
     theirs.fit(loader)
     ours = Laplace(net, likelihoods.Gaussian(torch.tensor(0.2, dtype=F64)), "all", "full",
                    prior_precision=0.5).fit(loader)  # fmt: skip
-    for a, b in zip(ours(x[:6]), theirs(x[:6])):
-        torch.testing.assert_close(a, b.to(a), rtol=1e-6, atol=1e-10)
-    torch.testing.assert_close(
-        ours.log_marginal_likelihood(), theirs.log_marginal_likelihood().to(F64), rtol=1e-6, atol=0
-    )
+    # relative to the largest entry (float64 on both sides, the same MAP net and λ). On this
+    # net laplace-torch's own f_var is 1.6e-6 from the dense inverse (its covariance comes from a
+    # less accurate factorisation: 3.5e-5 off the exact inverse here), ours 6e-14: the
+    # difference between the two libraries is bounded by laplace-torch's own error
+    rel = lambda a, b: float((a - b.to(a)).abs().max() / b.abs().max())  # noqa: E731
+    f, jac, cov, _ = regression_posterior(net, x, 0.5, 0.2)
+    dense_var = torch.einsum("nok,kj,npj->nop", jac[:6], cov, jac[:6])
+    (mu_o, var_o), (mu_t, var_t) = ours(x[:6]), theirs(x[:6])
+    assert rel(mu_o, mu_t) < 1e-12 and rel(var_o, dense_var) < 1e-10
+    assert rel(var_o, var_t) <= 1.01 * rel(var_t.double(), dense_var) + 1e-12
+    dense_lml = regression_evidence(net, x, y, 0.5, 0.2)
+    lml_o, lml_t = ours.log_marginal_likelihood(), theirs.log_marginal_likelihood()
+    assert rel(lml_o, dense_lml) < 1e-10
+    assert rel(lml_o, lml_t) <= 1.01 * rel(lml_t.double(), dense_lml) + 1e-12
     net, x, y = classification_problem()
     loader = DataLoader(TensorDataset(x, y), batch_size=60)
     theirs = laplace_torch.Laplace(net, "classification", subset_of_weights="last_layer",
@@ -377,7 +386,4 @@ def test_regression_and_classification_patterns_match_laplace_torch():
     ours = Laplace(net, likelihoods.Categorical(), "last_layer", "full", prior_precision=2.0)
     ours.fit(loader)
     for link in ("probit", "bridge", "bridge_norm"):
-        torch.testing.assert_close(
-            ours(x[:8], link_approx=link), theirs(x[:8], link_approx=link).to(F64),
-            rtol=1e-6, atol=1e-10,
-        )  # fmt: skip
+        assert rel(ours(x[:8], link_approx=link), theirs(x[:8], link_approx=link)) < 1e-6

@@ -44,11 +44,20 @@ def check_temperature(temperature: float, name: str = "temperature") -> float:
 def check_likelihood(likelihood: object, name: str = "likelihood") -> Likelihood:
     """Return ``likelihood`` after checking it implements the `Likelihood` contract."""
     if not isinstance(likelihood, Likelihood):
+        hint = _STRING_LIKELIHOODS.get(likelihood) if isinstance(likelihood, str) else None
         raise TypeError(
             f"{name}: expected a pyro_subspace Likelihood (Gaussian, Categorical, Bernoulli or "
             f"your own subclass), got {type(likelihood).__name__}"
+            + (f"; for laplace-torch's {likelihood!r} pass {hint}" if hint else "")
         )
     return likelihood
+
+
+#: laplace-torch's likelihood strings and the objects that replace them here
+_STRING_LIKELIHOODS = {
+    "regression": "likelihoods.Gaussian(sigma=sigma_noise) (or Gaussian() to learn σ)",
+    "classification": "likelihoods.Categorical() (two classes: Bernoulli() for one logit)",
+}
 
 
 class Likelihood(PyroModule):
