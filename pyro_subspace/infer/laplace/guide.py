@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import pyro
 import torch
@@ -38,6 +39,15 @@ PRIOR_MEANS = ("shift", "zero")
 POSTERIOR_BUFFERS = ("ggn", "precision", "covariance", "scale_tril")
 #: a fit, refit or tuning either completes or leaves the guide and its model as they were
 _all_or_nothing = transactional(lambda g: (g, g.model), lambda g: g._mark_unfitted())
+
+
+class FitStatistics(NamedTuple):
+    """What a fit records besides the posterior (the ``fit_statistics`` buffer, in order)."""
+
+    temperature: float  #: ``T`` of the likelihood (0: not fitted)
+    num_data: float  #: ``N``, the data points fitted
+    residual_sum_of_squares: float  #: ``Σ (y − f(x, ŵ))²`` (Gaussian likelihoods; else 0)
+    num_observations: float  #: the observations it sums (``N·O``)
 
 
 class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
@@ -140,8 +150,8 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
             self.register_buffer(name, zero.expand(shape))
         self.register_buffer("loc", torch.zeros(k, **f64))
         self.register_buffer("map_log_likelihood", torch.zeros((), **f64))
-        # temperature, number of data, RSS and observations of the fit; temperature 0 = unfitted
-        self.register_buffer("fit_statistics", torch.zeros(4, **f64))
+        # `FitStatistics` in order (temperature 0 = unfitted); read it through `statistics`
+        self.register_buffer("fit_statistics", torch.zeros(len(FitStatistics._fields), **f64))
         #: the model's ``λ`` ``(K,)`` and noise ``σ`` (NaN: none) that ``Σ`` was formed with: a
         #: guide whose model has another prior or noise (a guide's state loaded without its
         #: model's) is refused at use instead of predicting with a Σ its evidence does not match
@@ -186,16 +196,21 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         return self
 
     @property
+    def statistics(self) -> FitStatistics:
+        """The fit's statistics by name (the ``fit_statistics`` buffer, kept for persistence)."""
+        return FitStatistics(*(float(v) for v in self.fit_statistics))
+
+    @property
     def fitted(self) -> bool:
-        return bool(self.fit_statistics[0] > 0)
+        return self.statistics.temperature > 0
 
     @property
     def temperature(self) -> float:
-        return float(self.fit_statistics[0])
+        return self.statistics.temperature
 
     @property
     def num_data(self) -> int:
-        return int(self.fit_statistics[1])
+        return int(self.statistics.num_data)
 
     @property
     def likelihood(self):
@@ -342,9 +357,8 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
             self.ggn = ggn.detach()
         loglik, sse, count = ev.map_statistics(t) if has_targets else (math.nan, 0.0, 0)
         self.map_log_likelihood.fill_(loglik)
-        self.fit_statistics.copy_(
-            torch.tensor([ev.temperature, ev.num_data, sse, count], dtype=torch.float64)
-        )
+        stats = FitStatistics(ev.temperature, ev.num_data, sse, count)
+        self.fit_statistics.copy_(torch.tensor(stats, dtype=torch.float64))
         self._set_posterior()
         if find_map and float(unconverged[0].abs().max()) > tol:  # Σ∇ only when it can matter
             _warn_unconverged(*unconverged, offset=posterior_offset(self, unconverged[0]))
@@ -483,7 +497,8 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         return float(self.likelihood.sigma.detach())
 
     def _gaussian_loglik(self, sigma: torch.Tensor) -> torch.Tensor:
-        sse, count = self.fit_statistics[2], self.fit_statistics[3]
+        stats = self.statistics
+        sse, count = stats.residual_sum_of_squares, stats.num_observations
         return -count / 2 * torch.log(2 * math.pi * sigma**2) - sse / (2 * sigma**2)
 
     @_all_or_nothing
