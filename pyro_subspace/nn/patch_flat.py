@@ -124,28 +124,33 @@ class FlatLayout:
         return BernoulliAssignments(self.num_assignments, 1.0 - self.family.drop_prob, like)
 
 
-def layout(model) -> FlatLayout:
-    """The `FlatLayout` of a `PatchedNet`, built once per device and cached on its family."""
-    like = model._like()
-    cached = model.family.__dict__.get("_flat_layout")
-    if cached is None or cached.device != like.device:
-        cached = model.family.__dict__["_flat_layout"] = FlatLayout(model.family, like.device)
-    return cached
+class FlatCache:
+    """What a `PatchedNet` keeps between steps, owned by the model (``model.flat_cache``, made
+    in its constructor): the flat means (`flat_means`), the `FlatLayout` of its family on
+    one device and the prior precisions of its slots. Copies and pickles start empty (rebuilt on use)."""
 
-
-class _FlatCache:
-    """Holds the flat means of a model; copies and pickles start empty (rebuilt on use)."""
-
-    __slots__ = ("flat",)
+    __slots__ = ("flat", "layout", "prior_precisions")
 
     def __init__(self) -> None:
         self.flat: nn.Parameter | None = None
+        self.layout: FlatLayout | None = None
+        #: the per-weight prior precisions by (dtype, device)
+        self.prior_precisions: dict = {}
 
     def __reduce__(self) -> tuple:
-        return (_FlatCache, ())
+        return (FlatCache, ())
 
-    def __deepcopy__(self, memo: dict) -> _FlatCache:
-        return _FlatCache()
+    def __deepcopy__(self, memo: dict) -> FlatCache:
+        return FlatCache()
+
+
+def layout(model) -> FlatLayout:
+    """The `FlatLayout` of a `PatchedNet`, built once per device (held by ``model.flat_cache``)."""
+    like = model._like()
+    cache = model.flat_cache
+    if cache.layout is None or cache.layout.device != like.device:
+        cache.layout = FlatLayout(model.family, like.device)
+    return cache.layout
 
 
 def flat_means(model) -> nn.Parameter:
@@ -159,9 +164,7 @@ def flat_means(model) -> nn.Parameter:
     ``flat.grad``. The tensor carries ``unconstrained`` (a weak reference to itself), as the
     values of Pyro's param sites do, so that ``SVI`` optimises it when a guide declares it.
     """
-    cache = model.__dict__.get("_flat_cache")
-    if cache is None:
-        cache = model.__dict__["_flat_cache"] = _FlatCache()
+    cache = model.flat_cache
     params = [model._parameters[s.key] for s in model.slots]
     flat = cache.flat
     if flat is not None and _aliased(flat, params, layout(model).blocks):

@@ -164,9 +164,10 @@ def _forward(model, weights: dict[str, torch.Tensor], x: torch.Tensor, z: torch.
 
 
 def _prior(model, like: torch.Tensor) -> patch_flat.FlatNormalPrior:
-    """``N(0, τ⁻¹ I)`` over every weight in slot order; the per-weight precisions cached on
-    the family per dtype and device (the slots and their ``τ`` are fixed at construction)."""
-    cache = model.family.__dict__.setdefault("_prior_precisions", {})
+    """``N(0, τ⁻¹ I)`` over every weight in slot order; the per-weight precisions cached by the
+    model (``flat_cache``) per dtype and device (the slots and their ``τ`` are fixed at
+    construction)."""
+    cache = model.flat_cache.prior_precisions
     key = (like.dtype, like.device)
     if key not in cache:
         taus = {s.precision for s in model.slots}

@@ -37,7 +37,7 @@ from .. import validation
 from ..flat import FlatNet, eval_mode
 from ..likelihoods import Likelihood, check_temperature
 from ..threads import thread_policy
-from . import patch_fit, patch_svi
+from . import patch_fit, patch_flat, patch_svi
 from .patch_family import PatchFamily, check_call, drop_data_dim, plate_batch_shape, positive
 
 __all__ = ["PatchedNet"]
@@ -132,6 +132,7 @@ class PatchedNet(PyroModule):
             raise ValueError(f"init: expected 'reset' or 'copy', got {init!r}")
         super().__init__()
         self.family = family
+        self.flat_cache = patch_flat.FlatCache()  # the flat means, layout and prior, rebuilt on use
         self.temperature = float(temperature)
         self.subsample_size = subsample_size
         self.likelihood = likelihood
