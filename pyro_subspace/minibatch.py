@@ -117,7 +117,7 @@ def minibatch_loop(
         sizes = [min(bs, num_data - start) for start in range(0, num_data, bs)]
         check_lockstep(sum(s >= smallest for s in sizes), optimizer, "batch_size")
     history: list[float] = []
-    bar = tqdm(total=epochs, desc=desc, disable=not progress, leave=False, mininterval=0.5)
+    bar = tqdm(total=epochs, desc=desc, disable=not progress or epochs == 0, leave=False, mininterval=0.5)
     try:
         for epoch in range(epochs):
             order = torch.randperm(num_data, generator=gen).to(device)

@@ -85,6 +85,10 @@ def test_random_subspace_with_vi_on_diabetes(tmp_path):
         (["--inference", "vi", "--warmup", "5"], "--warmup only applies to --inference ess"),
         (["--vi-steps", "5"], "--vi-steps only applies to --inference vi"),
         (["--laplace-prior", "fixed"], "--laplace-prior only applies to --inference laplace"),
+        (["--max-iter", "50"], "--max-iter only applies to --inference laplace"),
+        (["--inference", "laplace", "--max-iter", "0"], "argument --max-iter: expected an integer"),
+        (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+        (["--activation", "sigmoid"], "argument --activation: invalid choice: 'sigmoid'"),
         (["--subspace", "ggn", "--max-snapshots", "5"], "--max-snapshots only applies to"),
         (["--inference", "mola"], "run 'pyro-subspace mixture --inference mola'"),
         (["--inference=ecmp"], "run 'pyro-subspace patch --inference ecmp'"),
@@ -187,3 +191,134 @@ def test_gess_inference_option_runs_the_generalised_kernel(tmp_path, monkeypatch
     assert set(cli.execute(argv)["rows"]) == {"MAP (SWA)", "PCA+GESS"}
     assert len(built) == 1 and isinstance(built[0], GeneralizedEllipticalSliceSampler)
     assert built[0].evaluations_per_draw >= 1  # it sampled: at least one evaluation per draw
+
+
+# ------------------------------------------------------------------ the noise scale, the MAP row
+def test_ml_noise_scale_maximises_the_gaussian_likelihood_of_the_residuals():
+    """``σ̂`` against a brute-force maximisation of ``Σ log N(y | f(x; w), σ²)`` in ``σ``."""
+    import math
+
+    import torch
+    from torch import nn
+
+    from pyro_subspace.cli.fit import ml_noise_scale
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1))
+    x, y = torch.randn(50, 3), torch.randn(50)
+    w = torch.randn(sum(p.numel() for p in net.parameters()))  # not the net's own weights
+    sigma = ml_noise_scale(net, w, x, y)
+    nn.utils.vector_to_parameters(w, net.parameters())
+    with torch.no_grad():
+        residual = y - net(x)[:, 0]
+    grid = torch.linspace(0.5 * sigma, 2 * sigma, 20001, dtype=torch.float64)
+    loglik = -50 * torch.log(grid) - residual.double().square().sum() / (2 * grid**2)
+    assert sigma == pytest.approx(float(grid[loglik.argmax()]), rel=1e-4)
+    assert sigma == pytest.approx(math.sqrt(float(residual.square().mean())), rel=1e-6)
+
+
+def test_the_map_row_is_the_same_for_every_inference(tmp_path):
+    """The MAP row is the network at the SWA mean with the noise scale fixed after training:
+    no inference method may change it (SVI used to re-learn sigma, a Pyro parameter)."""
+    import math
+
+    argv = TINY + ["--dataset", "diabetes", "--rank", "3"]
+    runs = {
+        inference: cli.execute(
+            [*argv, "--inference", inference, *extra, "--out", str(tmp_path / inference)]
+        )
+        for inference, extra in [("ess", MCMC), ("vi", ["--vi-steps", "30"]), ("laplace", [])]
+    }
+    maps = [r["rows"]["MAP (SWA)"] for r in runs.values()]
+    sigmas = {r["sigma"] for r in runs.values()}
+    assert maps[0] == maps[1] == maps[2] and len(sigmas) == 1
+    # the row is scored with that sigma: a Gaussian NLL at the MAP's mean squared error
+    sigma, row = sigmas.pop(), maps[0]
+    nll = 0.5 * math.log(2 * math.pi * sigma**2) + row["rmse"] ** 2 / (2 * sigma**2)
+    assert row["nll"] == pytest.approx(nll, rel=1e-4)
+    # the jointly learned value is kept for the record, and differs
+    assert runs["vi"]["sigma_learned_with_map"] != sigma
+
+
+def test_toy_run_prints_the_band_width_ratio_and_no_stray_output(tmp_path, capsys):
+    """The epistemic band's width at the training inputs and away from them, printed and
+    saved; the progress bars are the MAP's and SWA's (no empty ``fit_map: 0it`` bar); the
+    az.loo note of `to_inference_data` (the command uses tempered_loo) is not shown."""
+    import warnings
+
+    argv = ["--epochs", "30", "--swa-epochs", "12", "--samples", "12", *MCMC, "--rank", "3"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = cli.execute([*argv, "--out", str(tmp_path)])
+    printed = capsys.readouterr()
+    assert not [w for w in caught if "az.loo on this export" in str(w.message)]
+    assert "fit_map: 0it" not in printed.err and "SWA" in printed.err
+    assert "epistemic 95% band" in printed.out and "ratio" in printed.out
+    train, away = results["band_width_train"], results["band_width_away"]
+    assert train > 0 and results["band_width_ratio"] == pytest.approx(away / train)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["band_width_ratio"] == results["band_width_ratio"]
+    # no clusters to compare with on real data
+    real = [*TINY, *MCMC, "--dataset", "diabetes", "--rank", "3"]
+    other = cli.execute([*real, "--out", str(tmp_path)])
+    assert "band_width_ratio" not in other
+
+
+def test_band_widths_against_a_direct_computation():
+    import torch
+
+    from pyro_subspace import datasets
+    from pyro_subspace.cli.fit import band_widths
+
+    data = datasets.load("toy", n=40, n_test=10, n_grid=9)  # grid -10, -7.5, ..., 10
+    torch.manual_seed(0)
+    f_grid, f_train = torch.randn(30, 9), 0.1 * torch.randn(30, 40)
+    out = band_widths(data, f_grid, f_train)
+    # outside the intervals [-7.2,-4.8], [-1.2,1.2], [4.8,7.2]: all grid points but -5, 0, 5
+    away = [0, 1, 3, 5, 7, 8]
+    width = 2 * 1.959963984540054
+    spread_away = float(f_grid.std(0, unbiased=False)[away].mean())
+    assert out["band_width_away"] == pytest.approx(width * spread_away)
+    spread_train = float(f_train.std(0, unbiased=False).mean())
+    assert out["band_width_train"] == pytest.approx(width * spread_train)
+
+
+# ------------------------------------------------------------------ what the Laplace warning asks
+def test_laplace_convergence_options_and_the_warning_names_them(tmp_path):
+    """A subnetwork of a ReLU net: the MAP search stops short (its ConvergenceWarning becomes a
+    table warning that names this command's options); float64 with a smooth activation
+    converges without one."""
+    import torch
+
+    argv = TINY + ["--dataset", "diabetes", "--subspace", "subnetwork", "--rank", "60"]
+    argv += ["--inference", "laplace", "--temperature", "1"]
+    relu = cli.execute([*argv, "--max-iter", "5", "--out", str(tmp_path / "a")])
+    (note,) = [w for w in relu["warnings"] if w.startswith("laplace:")]
+    assert "did not converge" in note
+    assert all(o in note for o in ("--dtype float64", "--max-iter", "--activation softplus"))
+    smooth = cli.execute([*argv, "--dtype", "float64", "--activation", "softplus", "--out",
+                          str(tmp_path / "b")])  # fmt: skip
+    assert not [w for w in smooth["warnings"] if w.startswith("laplace:")]
+    assert smooth["dtype"] == "float64"
+
+
+def test_activation_and_dtype_build_the_network(tmp_path, monkeypatch):
+    import torch
+
+    from pyro_subspace.cli import fit
+
+    nets = []
+    real = fit.fit_map
+
+    def spy(net, *args, **kwargs):
+        nets.append(net)
+        return real(net, *args, **kwargs)
+
+    monkeypatch.setattr(fit, "fit_map", spy)
+    argv = TINY + MCMC + ["--rank", "2", "--hidden", "8", "--activation", "tanh"]
+    cli.execute([*argv, "--dtype", "float64", "--out", str(tmp_path)])
+    net = nets[0]
+    assert any(isinstance(m, torch.nn.Tanh) for m in net) and not any(
+        isinstance(m, torch.nn.ReLU) for m in net
+    )
+    assert all(p.dtype == torch.float64 for p in net.parameters())

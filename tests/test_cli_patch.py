@@ -25,6 +25,9 @@ def test_patch_inference_prints_table_and_writes_json_and_png(inference, tmp_pat
     results = cli.execute(TINY + ["--inference", inference, "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert "vanilla" in printed and inference in printed and "ECE" in printed
+    # a legend for every column, the overhead included
+    for column in ("acc:", "NLL:", "ECE, MCE:", "overhead:", "train s:"):
+        assert column in printed
     assert set(results["rows"]) == {"vanilla", inference}
     for row in results["rows"].values():
         assert 0.8 < row["acc"] <= 1.0  # digits, 8 epochs: far above chance (0.1)

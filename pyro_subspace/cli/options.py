@@ -22,6 +22,9 @@ from .. import datasets
 REGRESSION_DATA = ("toy", "in_between", "diabetes", "csv")
 AUTO_HIDDEN = {"toy": (200, 50, 50, 50)}  # Subspace Inference 3.1; otherwise (50,): G.1.2
 DEFAULT_HIDDEN = (50,)
+#: hidden-layer activations: ReLU (the papers') and smooth ones, whose loss has no kinks, so
+#: that a Laplace MAP search can drive its gradient to zero
+ACTIVATIONS = {"relu": nn.ReLU, "softplus": nn.Softplus, "tanh": nn.Tanh, "silu": nn.SiLU}
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -244,12 +247,20 @@ def hidden_widths(args: argparse.Namespace) -> tuple[int, ...]:
     return args.hidden
 
 
-def mlp(n_in: int, hidden: tuple[int, ...], n_out: int, batchnorm: bool = False) -> nn.Sequential:
-    """``n_in-h1-[BN]-ReLU-…-hk-[BN]-ReLU-n_out`` with PyTorch's default initialisation."""
+def mlp(
+    n_in: int,
+    hidden: tuple[int, ...],
+    n_out: int,
+    batchnorm: bool = False,
+    activation: str = "relu",
+) -> nn.Sequential:
+    """``n_in-h1-[BN]-act-…-hk-[BN]-act-n_out`` (``act``: `ACTIVATIONS`, ReLU by default) with
+    PyTorch's default initialisation."""
     layers: list[nn.Module] = []
     sizes = (n_in, *hidden)
+    act = ACTIVATIONS[activation]
     for a, b in itertools.pairwise(sizes):
-        layers += [nn.Linear(a, b), *([nn.BatchNorm1d(b)] if batchnorm else []), nn.ReLU()]
+        layers += [nn.Linear(a, b), *([nn.BatchNorm1d(b)] if batchnorm else []), act()]
     return nn.Sequential(*layers, nn.Linear(sizes[-1], n_out))
 
 

@@ -27,7 +27,9 @@ def publish(
 
 
 def regression_table(results: dict) -> str:
-    """One row a method: test NLL (mixture and moment-matched), RMSE, 95% coverage."""
+    """One row a method: test NLL (mixture and moment-matched), RMSE, 95% coverage; then the
+    epistemic band's widths (1-D toy problems, ``fit``), PSIS-LOO (``fit`` with draws) and a
+    legend of the columns."""
     header = (
         f"dataset={results['dataset']}  subspace={results['subspace']} (K={results['rank']})  "
         f"inference={results['inference']}  T={results['temperature']:.3g}  "
@@ -40,23 +42,37 @@ def regression_table(results: dict) -> str:
             f"{name:<20}{r['nll']:>10.3f}{r['nll_moment_matched']:>10.3f}"
             f"{r['rmse']:>8.3f}{r['coverage95']:>9.3f}"
         )
+    if "band_width_ratio" in results:
+        lines.append(
+            f"epistemic 95% band (function only, no noise): mean width "
+            f"{results['band_width_train']:.3f} at the training inputs, "
+            f"{results['band_width_away']:.3f} over the gaps between and beyond the training "
+            f"clusters: ratio {results['band_width_ratio']:.2f}"
+        )
     if "loo_elpd_per_point" in results:
         lines.append(
             f"PSIS-LOO of the training points (convert.tempered_loo): elpd/N = "
             f"{results['loo_elpd_per_point']:.3f}, largest Pareto k = "
             f"{results['loo_pareto_k_max']:.2f} (above 0.7: unreliable)"
         )
+    if "sigma_learned_with_map" in results:
+        lines.append(
+            f"sigma: the noise scale every row uses, the maximum-likelihood value at the SWA "
+            f"solution (learned with the MAP: {results['sigma_learned_with_map']:.3f})"
+        )
     lines.append(
         "test NLL: mean negative log predictive density of the test points under the posterior\n"
         "mixture (lower is better); NLL (MM): the same under one Gaussian with the mixture's mean\n"
-        "and variance (moment-matched, Subspace Inference G.1); cover95: fraction of test points\n"
-        "inside the central 95% predictive interval (nominal 0.95)."
+        "and variance (moment-matched, Subspace Inference G.1); RMSE: root mean squared error of\n"
+        "the predictive mean; cover95: fraction of test points inside the central 95%\n"
+        "predictive interval (nominal 0.95)."
     )
     return "\n".join(lines)
 
 
 def classification_table(results: dict) -> str:
-    """One row a method: accuracy, NLL, ECE, MCE, parameter overhead, training CPU seconds."""
+    """One row a method: accuracy, NLL, ECE, MCE, parameter overhead, training CPU seconds; then
+    a legend of the columns."""
     lines = [
         (
             f"dataset={results['dataset']}  inference={results['inference']}  "
@@ -70,16 +86,15 @@ def classification_table(results: dict) -> str:
             f"{name:<10}{r['acc']:>8.4f}{r['nll']:>8.4f}{r['ece']:>8.4f}{r['mce']:>8.4f}"
             f"{r['overhead_percent']:>9.2f}%{r['train_seconds']:>9.2f}"
         )
+    lines.append(
+        "acc: test accuracy of the predictive's most probable class; NLL: mean negative log\n"
+        "predictive probability of the true class (lower is better); ECE, MCE: expected and\n"
+        "maximum calibration error, |accuracy - confidence| over 20 equal-width confidence bins\n"
+        "(bins of more than 5 points, Ensemble Model Patching D.2); overhead: parameters the\n"
+        "method adds to the vanilla network, in % of its parameter count (section 3.3; the\n"
+        "ensemble's extra networks, nothing for dropout); train s: training CPU seconds."
+    )
     return "\n".join(lines)
-
-
-def _figure(size: tuple[float, float]):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt, *plt.subplots(figsize=size)
 
 
 def _save(plt, fig, path: Path) -> Path:
@@ -102,46 +117,99 @@ def plot_predictive(
     (``mean``, ``std`` of shape ``(G,)``), else predicted against true test targets (``(M,)``).
     ``map_mean (G,)``, if given, is drawn as a dashed line; ``epistemic_std (G,)`` (the spread
     of the network's output over the posterior, without the noise) as a darker inner band, so
-    that the uncertainty growing away from the data shows apart from the constant noise."""
-    plt, fig, ax = _figure((8, 4.5))
+    that the uncertainty growing away from the data shows apart from the constant noise, and
+    its width against ``x`` in a panel below, the training inputs marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     lo, hi = metrics.gaussian_interval(mean, std, 0.95)
-    if data.grid is not None:
-        ax.fill_between(
-            data.grid_x, lo, hi, alpha=0.25, color="C0", label="95% predictive (epistemic + noise)"
-        )
-        if epistemic_std is not None:
-            elo, ehi = metrics.gaussian_interval(mean, epistemic_std, 0.95)
-            ax.fill_between(
-                data.grid_x, elo, ehi, alpha=0.5, color="C1", label="95% epistemic (function)"
-            )
-        ax.plot(data.grid_x, mean, label="predictive mean")
-        if map_mean is not None:
-            ax.plot(data.grid_x, map_mean, "--", color="k", lw=1, label="MAP (SWA) mean")
-        ax.scatter(data.x_train_raw, data.y_train, s=6, color="C3", label="training data")
-        ax.set_xlabel("x")
-    else:
-        ax.errorbar(data.y_test, mean, yerr=1.96 * std, fmt="o", ms=3, alpha=0.6, label="95% band")
+    if data.grid is None:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        ax.errorbar(data.y_test, mean, yerr=1.96 * std, fmt="o", ms=3, alpha=0.6,
+                    label="predictive mean and 95% band")  # fmt: skip
         lim = [float(data.y_test.min()), float(data.y_test.max())]
-        ax.plot(lim, lim, "k--", lw=1)
+        ax.plot(lim, lim, "k--", lw=1, label="predicted = true")
         ax.set_xlabel("true y (standardised)")
+        ax.set_ylabel("predicted y (standardised)")
+        ax.set_title(title)
+        ax.legend(loc="best", fontsize=8)
+        return _save(plt, fig, path)
+    if epistemic_std is None:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+    else:
+        fig, (ax, below) = plt.subplots(
+            2, 1, figsize=(8, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 1.3]}
+        )
+    ax.fill_between(
+        data.grid_x, lo, hi, alpha=0.25, color="C0", label="95% predictive (epistemic + noise)"
+    )
+    if epistemic_std is not None:
+        elo, ehi = metrics.gaussian_interval(mean, epistemic_std, 0.95)
+        ax.fill_between(
+            data.grid_x, elo, ehi, alpha=0.5, color="C1", label="95% epistemic (function)"
+        )
+    ax.plot(data.grid_x, mean, label="predictive mean")
+    if map_mean is not None:
+        ax.plot(data.grid_x, map_mean, "--", color="k", lw=1, label="MAP (SWA) mean")
+    ax.scatter(data.x_train_raw, data.y_train, s=6, color="C3", label="training data")
     ax.set_ylabel("y")
     ax.set_title(title)
     ax.legend(loc="best", fontsize=8)
+    if epistemic_std is None:
+        ax.set_xlabel("x")
+        return _save(plt, fig, path)
+    below.plot(data.grid_x, ehi - elo, color="C1", label="width of the 95% epistemic band")
+    below.plot(data.x_train_raw, torch.zeros_like(data.x_train_raw), "|", color="C3", ms=8,
+               label="training inputs")  # fmt: skip
+    below.set_ylim(bottom=0)
+    below.set_xlabel("x")
+    below.set_ylabel("band width")
+    below.legend(loc="upper center", fontsize=8)
     return _save(plt, fig, path)
 
 
 def plot_reliability(
-    path: Path, probs: dict[str, torch.Tensor], y: torch.Tensor, title: str
+    path: Path, probs: dict[str, torch.Tensor], y: torch.Tensor, title: str, n_bins: int = 20
 ) -> Path:
-    """Reliability diagrams (20 bins; only bins of more than 5 points, as ECE/MCE use them)."""
-    plt, fig, ax = _figure((5, 5))
+    """Reliability diagrams over the ``n_bins`` equal-width confidence bins that ECE/MCE use
+    (`metrics.reliability_diagram_data`), every non-empty bin drawn: filled where it has more
+    than 5 points (the bins ECE/MCE count, appendix D.2), hollow otherwise, its area growing
+    with its count; below, the number of test points per bin. An accurate classifier puts
+    almost every point in the top bin, so keeping only the counted bins would leave two or
+    three points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, hist) = plt.subplots(
+        2, 1, figsize=(5.5, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 1.2]}
+    )
     ax.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
-    for name, p in probs.items():
-        conf, acc, count = metrics.reliability_diagram_data(p, y, n_bins=20)
-        keep = count > 5  # the bins ECE/MCE use (appendix D.2)
-        ax.plot(conf[keep], acc[keep], "o-", label=name)
-    ax.set_xlabel("confidence")
-    ax.set_ylabel("accuracy")
-    ax.set_title(title)
-    ax.legend(loc="upper left")
+    edges = torch.linspace(0, 1, n_bins + 1)
+    width = 1.0 / n_bins / (len(probs) + 1)
+    for i, (name, p) in enumerate(probs.items()):
+        data = metrics.reliability_diagram_data(p, y, n_bins)
+        conf, acc, count = (v.numpy(force=True) for v in data)
+        seen, counted = count > 0, count > 5
+        ax.plot(conf[seen], acc[seen], "-", color=f"C{i}", lw=1, alpha=0.4)
+        size = 12 + 4 * count**0.5
+        ax.scatter(conf[counted], acc[counted], s=size[counted], color=f"C{i}", zorder=3,
+                   label=f"{name} ({int(counted.sum())} bins of > 5 points)")  # fmt: skip
+        few = seen & ~counted
+        ax.scatter(conf[few], acc[few], s=size[few], facecolors="none", edgecolors=f"C{i}",
+                   zorder=3, label=f"{name} ({int(few.sum())} bins of 1-5 points)")  # fmt: skip
+        hist.bar(edges[:-1].numpy() + (i + 0.5) * width, count, width=width, align="edge",
+                 color=f"C{i}", label=name)  # fmt: skip
+    ax.set_xlim(0, 1)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylabel("accuracy in the bin")
+    ax.set_title(f"{title}\n({n_bins} equal-width confidence bins, as ECE/MCE)", fontsize=10)
+    ax.legend(loc="upper left", fontsize=7)
+    hist.set_yscale("log")
+    hist.set_xlabel("confidence (largest predicted class probability)")
+    hist.set_ylabel("test points")
+    hist.legend(loc="upper left", fontsize=7)
     return _save(plt, fig, path)
