@@ -11,6 +11,10 @@
 3. Streaming: the same evaluations from a ``DataLoader`` vs in-memory tensors: numbers and
    peak memory.
 
+``--ggn-memory``: only ``benchmarks/ggn_operator_memory.py`` (the GGN operator's cache budget,
+peak RSS and time per product at N = 1024 on `resnet4` and `resnet_plain`, a second CNN without
+in-place ops).
+
 Modes: ``--quick`` (N = 10⁵ MLP 8-32-1; CNN of 10,226 weights at N = 64, 128) and ``--full``
 (the issue's sizes: N = 10⁶ on an MLP 10-200-1; a four-stage ResNet of 308,826 weights at
 N = 256, 512, 1024 and one of 78,002 weights at N = 512, every pipeline step; each CNN
@@ -23,6 +27,7 @@ independent of what any allocator caches, it includes the process's baseline).
     python benchmarks/scale.py --quick --rounds 3
     python benchmarks/scale.py --full --rounds 3          # about 15 min on 2 idle cores
     python benchmarks/scale.py --full --rows 100000 --cnn-rows 32,64   # a smoke run
+    python benchmarks/scale.py --ggn-memory                # about 6 min
 """
 
 from __future__ import annotations
@@ -160,13 +165,15 @@ def strong_scaling(rows: int, rounds: int, shape: tuple[int, int] = (8, 32)) -> 
 
 
 class Block(nn.Module):
-    def __init__(self, c_in: int, c_out: int, stride: int):
+    """A basic residual block; ``inplace=False``: no in-place op (a new tensor per ReLU)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, inplace: bool = True):
         super().__init__()
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(c_out)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(c_out)
-        self.relu = nn.ReLU(inplace=True)
+        self.relu = nn.ReLU(inplace=inplace)
         self.skip = (
             nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
             if stride != 1 or c_in != c_out
@@ -199,6 +206,28 @@ def resnet4(width: int = 16, classes: int = 10) -> nn.Module:
         Block(w, w, 1), Block(w, 2 * w, 2), Block(2 * w, 4 * w, 2), Block(4 * w, 8 * w, 2),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8 * w, classes),
     )  # fmt: skip
+
+
+def resnet_plain(widths: tuple[int, int, int] = (32, 64, 80), classes: int = 10) -> nn.Module:
+    """A ResNet-style BatchNorm CNN for 3×32×32 inputs WITHOUT in-place ops (every ReLU makes a
+    new tensor, as in most user code): three stages of ``widths`` channels at 32, 16, 8 pixels;
+    the default gives 187,306 weights (10 classes). Beside `resnet4` (in-place ReLU) it is the
+    second CNN of ``benchmarks/ggn_operator_memory.py`` (``--ggn-memory``): 32 channels at full
+    resolution, so its cached GGN graphs hold 2.4 MiB per row (`resnet4` width 16: 1.4 MiB) and
+    a double backward costs more than the stateless product's forward."""
+    a, b, c = widths
+    return nn.Sequential(
+        nn.Conv2d(3, a, 3, 1, 1, bias=False), nn.BatchNorm2d(a), nn.ReLU(),
+        Block(a, a, 1, False), Block(a, b, 2, False), Block(b, c, 2, False),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, classes),
+    )  # fmt: skip
+
+
+#: The two CNNs of the GGN-operator memory check: name -> (builder, description).
+CNNS = {
+    "resnet4 (in-place ReLU)": (lambda: resnet4(16), "4 stages 16-32-64-128, in-place ReLU"),
+    "resnet_plain (no in-place)": (resnet_plain, "3 stages 32-64-80, no in-place op"),
+}
 
 
 def synthetic(n: int, classes: int = 10, seed: int = 0):
@@ -377,12 +406,20 @@ def main() -> None:
     parser.add_argument("--scaling-only", action="store_true",
                         help="only the strong-scaling table (needs a quiet machine)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ggn-memory", action="store_true",
+                        help="only the GGNOperator memory/time check on both CNNs "
+                        "(benchmarks/ggn_operator_memory.py, its defaults)")  # fmt: skip
     parser.add_argument(
         "--cnn-rows",
         default=None,
         help="full mode: comma-separated N for the CNN (default 256,512,1024)",
     )
     args = parser.parse_args()
+    if args.ggn_memory:
+        import ggn_operator_memory
+
+        ggn_operator_memory.main([])
+        return
     torch.set_num_threads(1)
     load = os.getloadavg()
     print(f"# benchmarks/scale.py  {datetime.date.today()}  torch threads 1 per process, "

@@ -42,8 +42,10 @@ def ggn_eigen(
     """The ``rank`` leading GGN eigenvectors at ``w`` as a dense, orthonormal `Subspace`.
 
     ``G u_k = γ_k u_k`` with ``γ_1 >= … >= γ_K`` by Lanczos (float64 Lanczos vectors, full
-    reorthogonalisation) on `curvature.GGNOperator` (its cached graphs hold about three times the
-    activations of a forward pass over ``x``, at most 1 GiB; rows beyond are recomputed); the subspace is ``w = ŵ + U t`` with
+    reorthogonalisation) on `curvature.GGNOperator` (for a network without convolutions its
+    cached graphs, about three times the activations of a forward pass, hold at most 1 GiB of
+    counted bytes, rows beyond are recomputed; convolutional nets use the stateless product,
+    faster there); the subspace is ``w = ŵ + U t`` with
     ``U = [u_1 … u_K]`` of shape ``(D, K)`` and ``UᵀU = I``. Under the isotropic prior
     ``N(0, λ⁻¹ I)`` the Laplace posterior precision in this subspace is ``diag(γ)/T + λ I``
     (`infer.AutoSubspaceLaplace`), and the directions left out keep precision ``λ``.
