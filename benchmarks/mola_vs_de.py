@@ -89,7 +89,7 @@ def bound_report(method, x_test: torch.Tensor) -> dict:
             g_max.append(float(torch.linalg.eigvalsh(ggn[r][:, r])[-1]))
             lmin = torch.linalg.eigvalsh(cov[r][:, r])[0]
             b_floor.append(float(t["norm"][i] / (math.pi / 8 * lmin).sqrt()))
-    conf = method.predict(1e6 * x_test).max(-1).values
+    conf = method.predict(1e6 * x_test).probs.max(-1).values
     return {
         "bound": far_away_confidence_bound(method),
         "uniform": far_away_confidence_bound(method, "uniform"),
@@ -115,7 +115,7 @@ def one_seed(args: argparse.Namespace, seed: int) -> dict:
     out: dict = {"lambda": lams}
     for name in METHODS:
         pred = preds[name]
-        p_in = pred.predict(data.x_test)
+        p_in = pred.predict(data.x_test).probs
         row = {
             "acc": metrics.accuracy(p_in, data.y_test),
             "nll": metrics.categorical_nll(p_in, data.y_test),
@@ -123,11 +123,11 @@ def one_seed(args: argparse.Namespace, seed: int) -> dict:
             "mmc": metrics.mmc(p_in),
         }
         for key, x_ood in ood.items():
-            p_out = pred.predict(x_ood)
+            p_out = pred.predict(x_ood).probs
             row[f"mmc {key}"] = metrics.mmc(p_out)
             row[f"auroc {key}"] = metrics.ood_auroc(p_in, p_out)
-        p_in_h = preds_half[name].predict(half.x_test)
-        p_out_h = preds_half[name].predict(x_half_ood)
+        p_in_h = preds_half[name].predict(half.x_test).probs
+        p_out_h = preds_half[name].predict(x_half_ood).probs
         row["mmc classes 5-9"] = metrics.mmc(p_out_h)
         row["auroc classes 5-9"] = metrics.ood_auroc(p_in_h, p_out_h)
         out[name] = row
@@ -152,7 +152,8 @@ def sweep(args: argparse.Namespace, lams=(0.03, 0.3, 1.0, 3.0, 10.0, 100.0)) -> 
     for lam in lams:
         for _, guide in mola.members:
             guide.set_prior_precision(lam)
-        p, pf, pn = mola.predict(data.x_test), mola.predict(far), mola.predict(noise)
+        p, pf = mola.predict(data.x_test).probs, mola.predict(far).probs
+        pn = mola.predict(noise).probs
         print(
             f"  λ {lam:<6g} bound {far_away_confidence_bound(mola):.4f}  acc "
             f"{metrics.accuracy(p, data.y_test):.4f} NLL {metrics.categorical_nll(p, data.y_test):.3f}"

@@ -108,7 +108,7 @@ def build(data: datasets.Dataset, args: argparse.Namespace, seed: int) -> tuple[
 
     # the SWAG learning rate, tuned like the prior precision (paper App. F): the largest rate in
     # the paper's grid whose SWAG mean validation confidence reaches the threshold
-    threshold = metrics.accuracy(DeepEnsemble(nets, lik).predict(x_val), y_val) - 0.01
+    threshold = metrics.accuracy(DeepEnsemble(nets, lik).predict(x_val).probs, y_val) - 0.01
     t0 = time.perf_counter()
     first, swa_lr = None, SWA_LRS[-1]
     for lr in SWA_LRS:
@@ -116,7 +116,7 @@ def build(data: datasets.Dataset, args: argparse.Namespace, seed: int) -> tuple[
             col = swa(nets[0], seeds[0], lr)
         except FloatingPointError:
             continue  # diverged at this rate
-        if metrics.mmc(SWAG(col, lik, num_samples=30, seed=seed).predict(x_val)) >= threshold:
+        if metrics.mmc(SWAG(col, lik, num_samples=30, seed=seed).predict(x_val).probs) >= threshold:
             first, swa_lr = col, lr
             break
     t_tune_swa = time.perf_counter() - t0
@@ -160,7 +160,7 @@ def one_seed(args: argparse.Namespace, seed: int) -> dict:
     for name in METHODS:
         pred, t_fit = predictors[name]
         t0 = time.perf_counter()
-        p_in = pred.predict(data.x_test)
+        p_in = pred.predict(data.x_test).probs
         t_pred = time.perf_counter() - t0
         row = {
             "acc": metrics.accuracy(p_in, data.y_test),
@@ -171,15 +171,16 @@ def one_seed(args: argparse.Namespace, seed: int) -> dict:
             "t_pred": t_pred,
         }
         for key, x_ood in ood.items():
-            p_out = pred.predict(x_ood)
+            p_out = pred.predict(x_ood).probs
             row[f"mmc {key}"] = metrics.mmc(p_out)
             row[f"auroc {key}"] = metrics.ood_auroc(p_in, p_out)
         pred_half = predictors_half[name][0]
-        p_in_half, p_out_half = pred_half.predict(half.x_test), pred_half.predict(x_half_ood)
+        p_in_half = pred_half.predict(half.x_test).probs
+        p_out_half = pred_half.predict(x_half_ood).probs
         row["mmc classes 5-9"] = metrics.mmc(p_out_half)
         row["auroc classes 5-9"] = metrics.ood_auroc(p_in_half, p_out_half)
         for angle, x_rot in rotated.items():
-            p = pred.predict(x_rot)
+            p = pred.predict(x_rot).probs
             row[f"ll {angle}"] = -metrics.categorical_nll(p, data.y_test)
             row[f"ece {angle}"] = metrics.calibration_errors(p, data.y_test)[0]
         out[name] = row

@@ -59,7 +59,7 @@ def test_deep_ensemble_classification_is_the_average_softmax():
     torch.manual_seed(0)
     nets = [_make_net() for _ in range(3)]
     de = DeepEnsemble(nets, likelihoods.Categorical())
-    probs = de.predict(x)
+    probs = de.predict(x).probs
     direct = torch.stack([n(x).softmax(-1) for n in nets]).mean(0).double()
     assert probs.shape == (60, 3) and torch.allclose(probs, direct, atol=1e-6)
     lp = de.log_prob(x, y)
@@ -76,7 +76,8 @@ def test_deep_ensemble_regression_mixture_and_moment_match():
     de = DeepEnsemble(nets, lik)
     means = torch.stack([n(x)[:, 0] for n in nets]).detach().double()
     var = torch.tensor([0.09, 0.25, 0.49, 0.81], dtype=torch.float64)[:, None].expand(4, 25)
-    mean, v = de.predict(x)
+    pred = de.predict(x)  # the mixture of Gaussians; its moments
+    mean, v = pred.mean, pred.variance
     assert mean.shape == (25, 1)
     assert torch.allclose(mean[:, 0], means.mean(0), atol=1e-6)
     assert torch.allclose(v[:, 0], (var + means**2).mean(0) - means.mean(0) ** 2, atol=1e-6)
@@ -89,3 +90,32 @@ def test_deep_ensemble_regression_mixture_and_moment_match():
         DeepEnsemble(nets[0], lik[0])
     with pytest.raises(ValueError, match="x"):
         de.predict(torch.full((3, 2), math.nan))
+
+
+def test_mixture_predictives_are_distributions_with_the_old_numbers():
+    """Regression with two outputs: the mixture of Gaussians (MixtureSameFamily over the
+    outputs jointly) has the moment-matched mean/variance the tuple form returned, and its
+    log_prob is log Σ_m π_m Π_o N(y_o | μ_mo, σ²_mo), as `log_prob` computed it."""
+    from pyro_subspace.likelihoods import Gaussian
+
+    torch.manual_seed(0)
+    means = torch.randn(3, 5, 2, dtype=torch.float64)
+    variances = torch.rand(3, 5, 2, dtype=torch.float64) + 0.1
+    weights = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    mix = Gaussian(sigma=1.0).mixture(weights, (means, variances))
+    assert isinstance(mix, torch.distributions.Distribution)
+    w = weights[:, None, None]
+    mean = (w * means).sum(0)
+    torch.testing.assert_close(mix.mean, mean, rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        mix.variance, (w * variances).sum(0) + (w * (means - mean).square()).sum(0),
+        rtol=1e-12, atol=0,
+    )  # fmt: skip
+    y = torch.randn(5, 2, dtype=torch.float64)
+    joint = torch.distributions.Normal(means, variances.sqrt()).log_prob(y).sum(-1)
+    expected = torch.logsumexp(weights.log()[:, None] + joint, 0)
+    torch.testing.assert_close(mix.log_prob(y), expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        Gaussian(sigma=1.0).mixture_log_prob(weights, (means, variances), y), expected,
+        rtol=1e-12, atol=0,
+    )  # fmt: skip

@@ -157,7 +157,7 @@ def _setup_swag(seed):
 def _setup_swag_predict():
     x, y = _data()
     swag = SWAG(_collector(_net(), x, y), likelihoods.Categorical(), seed=2, num_samples=3)
-    return lambda: swag.predict(x[:3])
+    return lambda: swag.predict(x[:3]).probs
 
 
 def _conjugate():

@@ -55,12 +55,12 @@ def test_one_member_equals_llla_and_the_closed_form(trained):
     x_star = torch.randn(9, 2) * 2
     mola = MixtureOfLaplace(nets[:1], lik, prior_precision=lam).fit(x, y)
     llla = LastLayerLaplace(nets[0], lik, prior_precision=lam).fit(x, y)
-    assert torch.equal(mola.predict(x_star), llla.predict(x_star))
+    assert torch.equal(mola.predict(x_star).probs, llla.predict(x_star).probs)
     assert torch.equal(mola.weights, torch.ones(1, dtype=torch.float64))
     cov, probs = _closed_form_llla(nets[0], x, y, lam, x_star)
     # float32 network, float64 closed form
     assert torch.allclose(llla.members[0][1].covariance, cov, atol=1e-5, rtol=1e-4)
-    assert torch.allclose(llla.predict(x_star), probs, atol=1e-6)
+    assert torch.allclose(llla.predict(x_star).probs, probs, atol=1e-6)
     # the last-layer shortcut (features by a hook) equals the generic Jacobian path
     f_mean, f_cov = llla.logit_moments(x_star)
     ref_mean, ref_cov = linearized_moments(llla.members[0][1], x_star)
@@ -94,10 +94,10 @@ def test_mixture_probit_and_mc_against_brute_force_monte_carlo(trained):
     brute = sum(pi * p.mean(0) for pi, p in zip(mola.weights, per_member))
     se = torch.sqrt(sum(pi**2 * p.var(0) for pi, p in zip(mola.weights, per_member)) / s)
     # Monte Carlo over each component's Gaussian on the logits: equal within MC error
-    mc = mola.predict(x_star, method="mc", num_samples=s, seed=7)
+    mc = mola.predict(x_star, method="mc", num_samples=s, seed=7).probs
     assert ((mc - brute).abs() <= 5 * math.sqrt(2) * se + 1e-6).all()
     # eq. (1): the probit mixture built from the brute-force logit means and variances
-    probit = mola.predict(x_star)
+    probit = mola.predict(x_star).probs
     from_samples = sum(
         pi * (m / (1 + math.pi / 8 * v).sqrt()).softmax(-1)
         for pi, (m, v) in zip(mola.weights, moments)
@@ -128,7 +128,7 @@ def test_prior_precision_tuning_scores_match_the_refitted_mixture(trained):
         ref = MixtureOfLaplace(nets, lik, prior_precision=float(grid[i])).fit(x, y)
         lp = ref.log_prob(x_val, y_val).mean()
         assert float(mola.grid_scores[i, 0]) == pytest.approx(float(lp), rel=1e-5)
-        mmc = ref.predict(x_val).max(-1).values.mean()
+        mmc = ref.predict(x_val).probs.max(-1).values.mean()
         assert float(mola.grid_scores[i, 1]) == pytest.approx(float(mmc), rel=1e-5)
     # the paper's rule (Appendix F): the smallest λ whose validation MMC reaches the threshold
     mola.optimize_prior_precision("confidence", x_val, y_val, grid, threshold=0.9)
@@ -193,7 +193,7 @@ def test_far_away_confidence_map_tends_to_one_laplace_stays_below_the_bound():
         if delta >= 1e4:
             assert (conf_map > 1 - 1e-6).all()
         for name, method in (("mola", mola), ("llla", llla)):
-            conf = method.predict(delta * x_star).max(-1).values
+            conf = method.predict(delta * x_star).probs.max(-1).values
             assert (conf <= bounds[name] + 1e-9).all(), (name, delta, conf.max())
 
 
@@ -238,7 +238,8 @@ def test_linear_gaussian_members_are_the_exact_posterior_and_evidence():
         torch.stack([w.log() + d.log_prob(y_star) for w, d in zip(weights, log_dens)]), 0
     )
     assert torch.allclose(mola.log_prob(x_star, y_star), mix, atol=1e-6)
-    mean, var = mola.predict(x_star)
+    pred = mola.predict(x_star)  # the mixture of Gaussians; its moments
+    mean, var = pred.mean, pred.variance
     mu = (weights[:, None] * means[:, :, 0]).sum(0)
     second = (weights[:, None] * (variances[:, :, 0] + means[:, :, 0] ** 2)).sum(0)
     assert torch.allclose(mean[:, 0], mu) and torch.allclose(var[:, 0], second - mu**2)
@@ -255,7 +256,7 @@ def test_any_subspace_builder_and_the_sampling_predictive(trained):
     assert all(model.subspace.rank == 12 for model, _ in mola.members)
     x_star = torch.randn(6, 2)
     manual = sum(probit(*linearized_moments(g, x_star), lik) for _, g in mola.members) / 2
-    assert torch.allclose(mola.predict(x_star), manual, atol=1e-10)
+    assert torch.allclose(mola.predict(x_star).probs, manual, atol=1e-10)
     # weight draws pushed through the network (eq. 4; not linearised, so for hidden weights it
     # differs from the GLM predictive): K·S components of weight π_k / S
     weights, comp = mola.components(x_star, method="sample", num_samples=10)
@@ -277,10 +278,10 @@ def test_bad_arguments_and_unfitted_use(trained):
         MixtureOfLaplace(nets[0], lik)
     mola = MixtureOfLaplace(nets, lik)
     with pytest.raises(RuntimeError, match="fit"):
-        mola.predict(x)
+        mola.predict(x).probs
     mola.fit(x, y)
     with pytest.raises(ValueError, match="method"):
-        mola.predict(x, method="closed_form")
+        mola.predict(x, method="closed_form").probs
     with pytest.raises(ValueError, match="x_val"):
         mola.optimize_prior_precision("grid")
     with pytest.raises(ValueError, match="y"):
@@ -296,7 +297,7 @@ def test_fit_on_a_dataset_uses_its_training_split():
     lik = likelihoods.Categorical()
     a = LastLayerLaplace(net, lik).fit(data)
     b = LastLayerLaplace(net, lik).fit(data.x_train, data.y_train)
-    assert torch.equal(a.predict(data.x_test[:5]), b.predict(data.x_test[:5]))
+    assert torch.equal(a.predict(data.x_test[:5]).probs, b.predict(data.x_test[:5]).probs)
 
 
 def test_far_away_bound_with_biases_against_brute_force_and_the_limit(trained):
@@ -332,10 +333,10 @@ def test_far_away_bound_with_biases_against_brute_force_and_the_limit(trained):
         uniform = far_away_confidence_bound(method, kind="uniform")
         assert 1 / 3 < asym <= uniform < 1
         scales = (0.1, 1.0, 1e1, 1e2, 1e4, 1e5, 1e6)
-        conf = {s: method.predict(s * d).max(-1).values for s in scales}
+        conf = {s: method.predict(s * d).probs.max(-1).values for s in scales}
         for s, cf in conf.items():  # the uniform bound holds at every input
             assert (cf <= uniform + 1e-12).all(), (s, cf.max(), uniform)
-        assert (method.predict(x).max(-1).values <= uniform + 1e-12).all()
+        assert (method.predict(x).probs.max(-1).values <= uniform + 1e-12).all()
         # the asymptotic one in the limit: conf(δ) − conf(∞) = O(1/δ), so conf(∞) is within
         # 10·|conf(1e6) − conf(1e5)| (+ float32 features: 1e-6) of conf(1e6)
         slack = 10 * (conf[1e6] - conf[1e5]).abs() + 1e-6
@@ -384,12 +385,12 @@ def test_far_away_bound_is_attained_where_the_direction_is_extremal():
     assert 0.8 < lower < bound < 0.9
     # with biases the bound is a limit: the excess over it decays like 1/δ (here ≈ 1.04/δ)
     e1 = torch.tensor([[1.0, 0.0]])
-    excess = {s: float(llla.predict(s * e1).max()) - bound for s in (1e4, 1e5, 1e6, 1e8)}
+    excess = {s: float(llla.predict(s * e1).probs.max()) - bound for s in (1e4, 1e5, 1e6, 1e8)}
     assert excess[1e4] > 0 and excess[1e5] * 1e5 == pytest.approx(excess[1e4] * 1e4, rel=0.05)
     assert excess[1e6] * 1e6 == pytest.approx(excess[1e5] * 1e5, rel=0.05)
     # at δ = 1e8: 1/δ and float32 features (rel 1e-7 on z ≈ 1) leave < 1e-7
     assert lower - 1e-7 <= bound + excess[1e8] <= bound + 1e-7
-    conf_e2 = llla.predict(1e6 * torch.tensor([[0.0, 1.0]])).max()
+    conf_e2 = llla.predict(1e6 * torch.tensor([[0.0, 1.0]])).probs.max()
     assert float(conf_e2) == pytest.approx(0.5, abs=1e-4)
 
 

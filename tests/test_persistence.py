@@ -229,7 +229,7 @@ class TestSWAG(PersistenceContract):
     def outputs(self, swag):
         torch.manual_seed(11)  # seed=None draws from the global generator: the same after reload
         unseeded = SWAG(swag.collector, swag.likelihood, seed=None).sample_weights(2)
-        return swag.sample_weights(), unseeded, swag.predict(self.x), swag.log_prob(self.x, self.y)
+        return swag.sample_weights(), unseeded, swag.predict(self.x).probs, swag.log_prob(self.x, self.y)
 
 
 class TestMultiSWAG(TestSWAG):
@@ -243,4 +243,4 @@ class TestMultiSWAG(TestSWAG):
 
     def outputs(self, multi):
         weights, probs = multi.components(self.x)
-        return weights, probs, multi.predict(self.x), multi.log_prob(self.x, self.y)
+        return weights, probs, multi.predict(self.x).probs, multi.log_prob(self.x, self.y)

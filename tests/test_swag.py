@@ -107,12 +107,12 @@ def test_swag_predictive_averages_softmax_over_draws_and_multiswag_pools_members
     swag = SWAG(col, lik, num_samples=11, seed=4)
     w = swag.sample_weights()
     direct = FlatNet(col.flat.net)(w, x).softmax(-1).mean(0)
-    assert torch.allclose(swag.predict(x), direct, atol=1e-12)
+    assert torch.allclose(swag.predict(x).probs, direct, atol=1e-12)
     weights, comp = swag.components(x, num_samples=3)
     assert comp.shape == (3, 7, 2) and torch.allclose(weights, torch.full((3,), 1 / 3).double())
     multi = MultiSWAG([col, col2], lik, num_samples=11, seed=4)
-    both = (direct + SWAG(col2, lik, num_samples=11, seed=5).predict(x)) / 2
-    assert torch.allclose(multi.predict(x), both, atol=1e-12)
+    both = (direct + SWAG(col2, lik, num_samples=11, seed=5).predict(x).probs) / 2
+    assert torch.allclose(multi.predict(x).probs, both, atol=1e-12)
     assert multi.components(x)[0].shape == (22,)
 
 

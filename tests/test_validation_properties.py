@@ -89,7 +89,7 @@ def entry_points():
 
     def ensemble(x, y):
         ens, nets = fitted()["ensemble"]
-        return (lambda: ens.predict(x)), nets
+        return (lambda: ens.predict(x).probs), nets
 
     def patched(x, y):
         pn, net = fitted()["patched"]

@@ -87,7 +87,7 @@ print("final training losses:", [round(h[EPOCHS - 1], 3) for h in ensemble.losse
 
 # %% [markdown]
 # ## MAP, deep ensemble, LLLA and MoLA
-# Every predictor answers `predict(x)` with class probabilities `(N, C)`; `components(x)`
+# Every predictor answers `predict(x)` with a `torch.distributions.Categorical` (`.probs` `(N, C)`); `components(x)`
 # gives the mixture weights and each component's probabilities. MoLA's default predictive is
 # the probit mixture of eq. (1); `method="mc"` averages the softmax over draws of each
 # component's Gaussian over the logits, `method="sample"` over weight draws pushed through the
@@ -104,11 +104,11 @@ methods = {
 x_test = centres[torch.arange(60) % 3] + 0.7 * torch.randn(60, 2)
 y_test = torch.arange(60) % 3
 for name, method in methods.items():
-    p = method.predict(x_test)
+    p = method.predict(x_test).probs
     print(f"{name:>9}: accuracy {metrics.accuracy(p, y_test):.3f}, NLL "
           f"{metrics.categorical_nll(p, y_test):.3f}, MMC {metrics.mmc(p):.3f}")  # fmt: skip
 mola = methods["MoLA"]
-probit, mc = mola.predict(x_test), mola.predict(x_test, method="mc", num_samples=2000)
+probit, mc = mola.predict(x_test).probs, mola.predict(x_test, method="mc", num_samples=2000).probs
 print("largest |probit − Monte Carlo| on the test points:", float((probit - mc).abs().max()))
 
 # %% [markdown]
@@ -123,7 +123,7 @@ deltas = torch.logspace(-1, 4, 11 if TINY else 26)
 directions = torch.randn(200, 2)
 names = ("MAP", "DE", "MultiSWAG", "LLLA", "MoLA")
 conf = {
-    name: [metrics.mmc(methods[name].predict(d * directions)) for d in deltas] for name in names
+    name: [metrics.mmc(methods[name].predict(d * directions).probs) for d in deltas] for name in names
 }
 bounds = {name: far_away_confidence_bound(methods[name]) for name in ("LLLA", "MoLA")}
 for name, values in conf.items():
@@ -147,9 +147,9 @@ ax.legend(fontsize=8, loc="lower right")
 grid = torch.linspace(-12, 12, 60 if TINY else 150)
 gx, gy = torch.meshgrid(grid, grid, indexing="xy")
 plane = torch.stack([gx.reshape(-1), gy.reshape(-1)], 1)
-gap = (methods["DE"].predict(plane) - methods["MoLA"].predict(plane)).max(-1).values
+gap = (methods["DE"].predict(plane).probs - methods["MoLA"].predict(plane).probs).max(-1).values
 ax = axes[1]
-mesh = ax.contourf(gx, gy, methods["MoLA"].predict(plane).max(-1).values.reshape(gx.shape),
+mesh = ax.contourf(gx, gy, methods["MoLA"].predict(plane).probs.max(-1).values.reshape(gx.shape),
                    levels=torch.linspace(1 / 3, 1, 15).tolist(), cmap="viridis")  # fmt: skip
 ax.scatter(x[:, 0], x[:, 1], c=y, cmap="tab10", s=8, edgecolors="white", linewidths=0.3)
 fig.colorbar(mesh, ax=ax, label="MoLA max probability")
@@ -195,6 +195,6 @@ mola_digits = MixtureOfLaplace(digit_nets, lik, prior_precision=1200 * 5e-4).fit
 mola_digits.optimize_prior_precision("confidence", x_val, y_val)
 print(f"tuned λ = {mola_digits.prior_precision:.3g}")
 for name, method in (("DE", de), ("MoLA", mola_digits)):
-    p_in, p_out = method.predict(digits.x_test), method.predict(noise)
+    p_in, p_out = method.predict(digits.x_test).probs, method.predict(noise).probs
     print(f"{name:>5}: test accuracy {metrics.accuracy(p_in, digits.y_test):.3f}, "
           f"noise MMC {metrics.mmc(p_out):.3f}, AUROC {metrics.ood_auroc(p_in, p_out):.3f}")  # fmt: skip

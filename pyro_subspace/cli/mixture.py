@@ -149,7 +149,8 @@ def run(args: argparse.Namespace) -> dict:
     }
 
     def plot(out):
-        mean, var = predictor.predict(data.grid if data.grid is not None else data.x_test)
+        pred = predictor.predict(data.grid if data.grid is not None else data.x_test)
+        mean, var = pred.mean, pred.variance  # the mixture of Gaussians: its moments
         path = out / f"{data.name}_{args.inference}.png"
         mean, std = mean[:, 0].float(), var[:, 0].sqrt().float()
         return report.plot_predictive(path, data, mean, std, f"{name} on {data.name}")

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from .. import rng, validation
 from ..flat import eval_mode
-from ..likelihoods import Bernoulli, Likelihood, check_likelihood
+from ..likelihoods import Likelihood, check_likelihood
 from ..subspaces import SWACollector
 from ..train import fit_map
 
@@ -53,61 +53,34 @@ class MixturePredictor:
         """Mixture weights ``(M,)`` and per-component predictives (see the module docstring)."""
         raise NotImplementedError
 
-    @property
-    def is_regression(self) -> bool:
-        """True for a regression likelihood (mixture of Gaussians), False for classification."""
-        return self.likelihood.is_regression
-
-    def predict(
-        self, x: torch.Tensor, **kwargs: object
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The mixture predictive ``Σ_m π_m p_m(y | x)``.
+    def predict(self, x: torch.Tensor, **kwargs: object) -> torch.distributions.Distribution:
+        """The mixture predictive ``Σ_m π_m p_m(y | x)`` as a ``torch.distributions`` object
+        (`Likelihood.mixture`).
 
         Args:
             x: inputs ``(N, ...)``.
             **kwargs: passed to `components` (e.g. ``num_samples``, ``method``).
 
         Returns:
-            Classification: probabilities ``(N, C)`` (`Categorical`) or ``P(y = 1)`` ``(N,)``
-            (`Bernoulli`). Regression: the moment-matched Gaussian, ``(mean, variance)``, each
-            ``(N, O)``: ``μ = Σ π_m μ_m``, ``σ² = Σ π_m σ_m² + Σ π_m (μ_m − μ)²``.
+            Classification: a ``Categorical`` with ``.probs`` ``(N, C)`` (a ``Bernoulli`` with
+            ``P(y = 1)`` ``(N,)``). Regression: the mixture of the components' Gaussians
+            (``MixtureSameFamily``, batch ``(N,)``, event ``(O,)``): ``.mean`` ``Σ π_m μ_m``,
+            ``.variance`` ``Σ π_m σ_m² + Σ π_m (μ_m − μ)²``, ``.log_prob`` the mixture density.
+            The components themselves: `components`.
         """
         weights, comp = self.components(x, **kwargs)
-        if self.is_regression:
-            means, variances = comp
-            w = weights[:, None, None]
-            mean = (w * means).sum(0)
-            return mean, (w * variances).sum(0) + (w * (means - mean).square()).sum(0)
-        # clamp: float64 rounding of Σ π_m p_m can exceed 1 by ~1e-15 at saturated softmaxes
-        return torch.einsum("m,m...->...", weights, comp).clamp(0.0, 1.0)
+        return self.likelihood.mixture(weights, comp)
 
     def log_prob(self, x: torch.Tensor, y: torch.Tensor, **kwargs: object) -> torch.Tensor:
         """Log predictive density ``log Σ_m π_m p_m(y_n | x_n)`` of each target, shape ``(N,)``.
 
-        Regression uses the mixture of Gaussians itself (not its moment match), summed over the
-        ``O`` outputs of each point; classification the log mixture probability of the label
+        Regression uses the mixture of Gaussians itself (not its moment match), the ``O``
+        outputs of each point jointly; classification the log mixture probability of the label
         (clamped at ``1e-12``).
         """
         y = self.check_targets(x, y)  # before any forward pass
         weights, comp = self.components(x, **kwargs)
-        return self._log_prob_of(weights, comp, y)
-
-    def _log_prob_of(self, weights, comp, y: torch.Tensor, y_name: str = "y") -> torch.Tensor:
-        """`log_prob` from ``(weights, comp)`` for targets checked by `check_targets`."""
-        log_w = weights.clamp_min(1e-300).log()
-        if self.is_regression:
-            means, variances = comp
-            yy = _targets_like(y, means.shape[1:], y_name)
-            log_p = torch.distributions.Normal(means, variances.sqrt()).log_prob(yy).sum(-1)
-            return torch.logsumexp(log_w[:, None] + log_p, dim=0)
-        probs = torch.einsum("m,m...->...", weights, comp)
-        if probs.dim() == 1:  # Bernoulli
-            y = validation.check_labels(y, y_name, 2, probs.shape[0])
-            p = torch.where(y.to(probs.device).bool(), probs, 1 - probs)
-        else:  # the range again, for members whose width their structure did not tell
-            y = validation.check_labels(y, y_name, probs.shape[-1], probs.shape[0])
-            p = probs.gather(1, y.to(probs.device)[:, None]).squeeze(1)
-        return p.clamp_min(1e-12).log()
+        return self.likelihood.mixture_log_prob(weights, comp, y)
 
     def check_targets(
         self, x: object, y: object, x_name: str = "x", y_name: str = "y"
@@ -120,20 +93,7 @@ class MixturePredictor:
         real tensor of finite targets, one (row) per row of ``x``.
         """
         n = validation.check_inputs(None, x, x_name)
-        if not self.is_regression:
-            c = 2 if isinstance(self.likelihood, Bernoulli) else self._out_width
-            return validation.check_labels(y, y_name, c, n, x_name=x_name, why=_why(c, self))
-        if not isinstance(y, torch.Tensor):
-            raise TypeError(f"{y_name}: expected a torch.Tensor of targets, got {type(y).__name__}")
-        if y.is_complex() or y.dtype == torch.bool:
-            raise TypeError(f"{y_name}: expected real-valued targets, got dtype {y.dtype}")
-        if y.dim() == 0 or y.shape[0] != n:
-            raise ValueError(
-                f"{y_name}: expected {n} targets, one per row of {x_name}, got shape "
-                f"{tuple(y.shape)}"
-            )
-        validation.check_finite(y, y_name)
-        return y
+        return self.likelihood.check_targets(y, n, self._out_width, y_name, x_name)
 
 
 @dataclass
@@ -287,7 +247,7 @@ class DeepEnsemble(MixturePredictor):
         ...     return nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2))
         >>> ens = train_ensemble(make_net, Categorical(), x, y, n_members=3, epochs=5,
         ...                      progress=False)
-        >>> probs = DeepEnsemble(ens.nets, Categorical()).predict(x[:4])
+        >>> probs = DeepEnsemble(ens.nets, Categorical()).predict(x[:4]).probs
     """
 
     def __init__(
@@ -326,14 +286,6 @@ def output_width(nets: Sequence[nn.Module], name: str = "nets") -> int | None:
     return known[0][1] if known else None
 
 
-def _why(c: int | None, predictor: object) -> str:
-    if c is None:
-        return ""
-    if isinstance(getattr(predictor, "likelihood", None), Bernoulli):
-        return " (Bernoulli targets must be 0 or 1)"
-    return f" for members with {c} outputs"
-
-
 def member_predictives(
     likelihoods: Sequence[Likelihood], outputs: Sequence[torch.Tensor], name: str = "nets"
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -361,10 +313,8 @@ def member_predictives(
                 "width"
             )
         dist = lik.predictive_from_samples(out.reshape(-1, *out.shape[-2:]))
-        comps.append((dist.mean, dist.variance) if lik.is_regression else dist.probs)
-    if likelihoods[0].is_regression:
-        return torch.cat([c[0] for c in comps]), torch.cat([c[1] for c in comps])
-    return torch.cat(comps)
+        comps.append(lik.component(dist))
+    return likelihoods[0].stack_components(comps, concat=True)
 
 
 def check_inputs(x: object, name: str = "x", nets: Sequence[nn.Module] = ()) -> int:
@@ -400,11 +350,3 @@ def _uniform(m: int, like: torch.Tensor) -> torch.Tensor:
     return torch.full((m,), 1.0 / m, dtype=torch.float64, device=like.device)
 
 
-def _targets_like(y: object, shape: torch.Size, name: str = "y") -> torch.Tensor:
-    """Regression targets as ``(N, O)`` float64 for component means of shape ``(N, O)``."""
-    if not isinstance(y, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(y).__name__}")
-    n, o = shape
-    if y.numel() != n * o or y.shape[0] != n:
-        raise ValueError(f"{name}: expected {n} targets with {o} output(s), got {tuple(y.shape)}")
-    return y.reshape(n, o).double()

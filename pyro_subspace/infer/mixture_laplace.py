@@ -305,17 +305,16 @@ class MixtureOfLaplace(MixturePredictor):
         check_inputs(x_val, "x_val", nets=self.nets)
         y_val = self.check_targets(x_val, y_val, "x_val", "y_val")  # labels: before any work
         grid = check_grid(grid)
+        lik = self.likelihood
         if method == "confidence":
-            if self.is_regression:
+            if "probit" not in lik.link_approxes:  # the rule reads the probit's confidence
                 raise ValueError("method: 'confidence' is for classification")
             if threshold is None:
                 outs = [model.outputs(guide.loc, x_val).detach() for model, guide in self.members]
-                ens = torch.einsum(
-                    "m,m...->...",
-                    self.weights.to(x_val.device),
-                    member_predictives(self.likelihoods, outs),
-                )
-                threshold = _accuracy(ens, y_val) - margin
+                comp = member_predictives(self.likelihoods, outs)
+                ens = lik.mixture(self.weights.to(x_val.device), comp)
+                hits = lik.predicted_class(ens) == y_val.reshape(-1).to(ens.probs.device).long()
+                threshold = float(hits.double().mean()) - margin
             grid = grid.sort().values
         scores = self._grid_scores(x_val, y_val, grid)
         if method == "grid":
@@ -352,21 +351,17 @@ class MixtureOfLaplace(MixturePredictor):
             e, u = torch.linalg.eigh((a + a.T) / 2)
             ju = jp @ torch.linalg.solve_triangular(chol.T, u, upper=True)
             blocks.append((f_mean, ju.square(), e.clamp_min(0.0)))
-        scores = []
+        scores, lik = [], self.likelihood
         for lam in grid:
             comps = []
             for (model, _), (f_mean, ju2, e) in zip(self.members, blocks):
                 f_var = ju2 @ (1.0 / (e + lam))
                 comps.append(_from_moments(model.likelihood, f_mean, torch.diag_embed(f_var)))
-            comp = _stack(comps)
-            device = (comp[0] if isinstance(comp, tuple) else comp).device  # (means, vars)
-            weights = self.weights.to(device)  # the members' device
-            loglik = self._log_prob_from(weights, comp, y).mean()
-            mmc = torch.tensor(math.nan, dtype=torch.float64, device=loglik.device)
-            if not self.is_regression:
-                probs = torch.einsum("m,m...->...", weights, comp)
-                conf = probs if probs.dim() == 1 else probs.max(-1).values
-                mmc = (conf.maximum(1 - conf) if probs.dim() == 1 else conf).mean()
+            comp = lik.stack_components(comps)
+            weights = self.weights.to(f_mean.device)  # the members' device
+            loglik = lik.mixture_log_prob(weights, comp, y, "y_val").mean()
+            conf = lik.mixture_confidence(weights, comp)  # None for regression
+            mmc = conf.mean() if conf is not None else loglik.new_tensor(math.nan)
             scores.append(torch.stack([loglik, mmc]))
         return torch.stack(scores)
 
@@ -399,13 +394,13 @@ class MixtureOfLaplace(MixturePredictor):
         if method not in METHODS:
             raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
         check_inputs(x, nets=self.nets)
+        lik = self.likelihood
         if method == "auto":
-            method = "closed_form" if self.is_regression else "probit"
-        if self.is_regression and method in ("probit", "mc"):
-            raise ValueError(f"method: regression uses 'closed_form' or 'sample', got {method!r}")
-        if not self.is_regression and method == "closed_form":
+            method = lik.link_approxes[0]  # closed_form (regression), probit (classification)
+        usable = tuple(m for m in METHODS if m in lik.link_approxes) + ("sample",)
+        if method not in usable:
             raise ValueError(
-                "method: 'closed_form' is for regression; use 'probit', 'mc' or 'sample'"
+                f"method: a {type(lik).__name__} likelihood uses {usable}, got {method!r}"
             )
         if method == "sample":
             outs, weights = [], []
@@ -424,10 +419,10 @@ class MixtureOfLaplace(MixturePredictor):
                 dist = model.likelihood.predictive_from_moments(
                     f_mean, f_cov, "mc", num_samples, gen
                 )
-                comps.append(dist.probs)
+                comps.append(model.likelihood.component(dist))
             else:
                 comps.append(_from_moments(model.likelihood, f_mean, f_cov))
-        return self.weights.to(x.device), _stack(comps)
+        return self.weights.to(x.device), self.likelihood.stack_components(comps)
 
     def logit_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The output mixture of eq. (8): means ``(K, N, O)`` and covariances ``(K, N, O, O)``."""
@@ -445,9 +440,6 @@ class MixtureOfLaplace(MixturePredictor):
         _, guide = self.members[k]
         return linearized_moments(guide, x, diagonal=diagonal)
 
-    def _log_prob_from(self, weights, comp, y) -> torch.Tensor:
-        return self._log_prob_of(weights, comp, y, "y_val")
-
 
 class LastLayerLaplace(MixtureOfLaplace):
     """The last-layer Laplace approximation (LLLA; Kristiadi et al., 2020; MoLA A.2) of one network.
@@ -463,19 +455,6 @@ class LastLayerLaplace(MixtureOfLaplace):
 
 
 def _from_moments(lik: Likelihood, f_mean: torch.Tensor, f_cov: torch.Tensor):
-    """One component's predictive from its Gaussian outputs ``(N, O)``, ``(N, O, O)``: the
-    `MixturePredictor` format (``(mean, variance)`` or probabilities)."""
-    dist = lik.predictive_from_moments(f_mean, f_cov, "auto")
-    return (dist.mean, dist.variance) if lik.is_regression else dist.probs
-
-
-def _accuracy(probs: torch.Tensor, y: torch.Tensor) -> float:
-    y = y.reshape(-1).to(probs.device)
-    pred = (probs > 0.5).long() if probs.dim() == 1 else probs.argmax(-1)
-    return float((pred == y.long()).double().mean())
-
-
-def _stack(comps: list) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(comps[0], tuple):
-        return torch.stack([c[0] for c in comps]), torch.stack([c[1] for c in comps])
-    return torch.stack(comps)
+    """One component's predictive from its Gaussian outputs ``(N, O)``, ``(N, O, O)``, in the
+    form `Likelihood.mixture` takes (`Likelihood.component`)."""
+    return lik.component(lik.predictive_from_moments(f_mean, f_cov, "auto"))

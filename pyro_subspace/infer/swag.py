@@ -94,7 +94,7 @@ class SWAG(MixturePredictor, nn.Module):
         >>> lik = likelihoods.Categorical()
         >>> _ = fit_map(net, lik, x, y, epochs=0, collector=col, swa_epochs=5, swa_lr=1e-2,
         ...             progress=False)
-        >>> probs = SWAG(col, lik).predict(x[:4])
+        >>> probs = SWAG(col, lik).predict(x[:4]).probs
     """
 
     def __init__(

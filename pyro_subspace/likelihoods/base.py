@@ -30,7 +30,7 @@ from pyro import sample as pyro_sample
 from pyro.distributions import Distribution
 from pyro.nn import PyroModule
 
-from ..validation import check_finite, positive_float
+from ..validation import check_finite, check_labels, positive_float
 
 #: Ways of turning Gaussian outputs into a predictive (`Likelihood.predictive_from_moments`).
 LINK_APPROXES = ("auto", "closed_form", "probit", "mc", "bridge", "bridge_norm")
@@ -271,6 +271,52 @@ class Likelihood(PyroModule):
         """laplace-torch's ``predictive_samples`` from output draws ``(S, N, O)``: the class
         probabilities of each draw (the draws themselves for regression)."""
         return self.mean(outputs)
+
+    # ------------------------------------------------------------------ mixtures of predictives
+
+    def check_targets(
+        self, y: object, n: int, num_outputs: int | None = None, y_name: str = "y",
+        x_name: str = "x",
+    ) -> torch.Tensor:  # fmt: skip
+        """Targets of ``n`` inputs checked before any forward pass (mixtures, ensembles): here
+        one integer class label per row in ``[0, C)`` (`validation.check_labels`; ``C`` =
+        ``num_outputs`` when the networks' structure tells it), as int64."""
+        why = f" for members with {num_outputs} outputs" if num_outputs is not None else ""
+        return check_labels(y, y_name, num_outputs, n, x_name=x_name, why=why)
+
+    def component(self, predictive: Distribution):
+        """One component of a mixture predictive, in the form `mixture` takes: the class
+        probabilities of ``predictive`` (a regression likelihood: its mean and variance)."""
+        return predictive.probs
+
+    def stack_components(self, comps: list, concat: bool = False):
+        """`component` values stacked along a new leading dimension (``concat``: joined along
+        their leading dimension), ``(M, N, ...)``."""
+        return torch.cat(comps) if concat else torch.stack(comps)
+
+    def mixture(self, weights: torch.Tensor, comp) -> Distribution:
+        """``Σ_m π_m p_m(y | x)`` as a ``torch.distributions`` object: the class probabilities
+        averaged with ``weights`` ``(M,)`` (deep ensembles, MoLA eq. 7), clamped to ``[0, 1]``
+        (float64 rounding of a saturated softmax can exceed 1 by ~1e-15)."""
+        probs = torch.einsum("m,m...->...", weights.to(comp), comp).clamp(0.0, 1.0)
+        return self._probs_distribution(probs)
+
+    def _probs_distribution(self, probs: torch.Tensor) -> Distribution:
+        raise NotImplementedError
+
+    def predicted_class(self, predictive: Distribution) -> torch.Tensor:
+        """The most probable class of each point ``(N,)`` (the first on ties)."""
+        return predictive.probs.argmax(-1)
+
+    def mixture_log_prob(self, weights: torch.Tensor, comp, y: torch.Tensor, y_name: str = "y"):
+        """``log Σ_m π_m p_m(y_n | x_n)`` ``(N,)`` for targets checked by the caller: the log of
+        the mixture probability of each label, clamped at ``1e-12``."""
+        raise NotImplementedError
+
+    def mixture_confidence(self, weights: torch.Tensor, comp) -> torch.Tensor | None:
+        """The mixture's confidence in its predicted class per point ``(N,)`` (MMC is its mean);
+        ``None`` for regression."""
+        return self.mixture(weights, comp).probs.max(-1).values
 
     def predictive_from_samples(self, outputs: torch.Tensor) -> Distribution:
         """The predictive of each draw of the outputs ``(..., N, O)``: batch shape ``(..., N)``

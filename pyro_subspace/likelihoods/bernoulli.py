@@ -47,6 +47,27 @@ class Bernoulli(Likelihood):
     def _predictive_from_samples(self, out: torch.Tensor) -> Distribution:
         return _Bernoulli(probs=out.squeeze(-1).double().sigmoid())
 
+    def check_targets(self, y, n, num_outputs=None, y_name="y", x_name="x") -> torch.Tensor:
+        why = " (Bernoulli targets must be 0 or 1)"
+        return check_labels(y, y_name, 2, n, x_name=x_name, why=why)
+
+    def _probs_distribution(self, probs: torch.Tensor) -> Distribution:
+        return _Bernoulli(probs=probs)
+
+    def mixture_log_prob(self, weights, comp, y, y_name="y"):
+        probs = torch.einsum("m,m...->...", weights.to(comp), comp)
+        y = check_labels(y, y_name, 2, probs.shape[0])
+        return torch.where(y.to(probs.device).bool(), probs, 1 - probs).clamp_min(1e-12).log()
+
+    def predicted_class(self, predictive: Distribution) -> torch.Tensor:
+        """1 where ``P(y = 1) > 0.5``."""
+        return (predictive.probs > 0.5).long()
+
+    def mixture_confidence(self, weights, comp) -> torch.Tensor:
+        """``max(p, 1 − p)`` of the mixture's ``P(y = 1)``."""
+        p = self.mixture(weights, comp).probs
+        return p.maximum(1 - p)
+
     def predictive_log_prob(self, predictive: Distribution, y: torch.Tensor) -> torch.Tensor:
         probs = predictive.probs.clamp_min(1e-12)
         y = self.prepare_target(y, probs.shape[-1]).to(probs.device)

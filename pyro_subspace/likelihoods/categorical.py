@@ -87,6 +87,15 @@ class Categorical(Likelihood):
     def _predictive_from_samples(self, out: torch.Tensor) -> Distribution:
         return _Categorical(logits=out.double())
 
+    def _probs_distribution(self, probs: torch.Tensor) -> Distribution:
+        return _Categorical(probs=probs)
+
+    def mixture_log_prob(self, weights, comp, y, y_name="y"):
+        probs = torch.einsum("m,m...->...", weights.to(comp), comp)
+        # the range again, for members whose width their structure did not tell
+        y = check_labels(y, y_name, probs.shape[-1], probs.shape[0])
+        return probs.gather(1, y.to(probs.device)[:, None]).squeeze(1).clamp_min(1e-12).log()
+
     def predictive_log_prob(self, predictive: Distribution, y: torch.Tensor) -> torch.Tensor:
         probs = predictive.probs.clamp_min(1e-12)
         y = Likelihood.prepare_target(self, y, probs.shape[-2])

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from pyro.distributions import Distribution, Normal, constraints
 from pyro.nn import PyroParam
 
-from ..validation import choice, positive_float
+from ..validation import check_finite, choice, positive_float
 from .base import Likelihood
 
 
@@ -56,6 +56,54 @@ class Gaussian(Likelihood):
 
     def predictive_samples(self, outputs: torch.Tensor) -> torch.Tensor:
         return outputs
+
+    def check_targets(self, y, n, num_outputs=None, y_name="y", x_name="x") -> torch.Tensor:
+        """A real tensor of finite targets, one (row) per row of the inputs."""
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"{y_name}: expected a torch.Tensor of targets, got {type(y).__name__}")
+        if y.is_complex() or y.dtype == torch.bool:
+            raise TypeError(f"{y_name}: expected real-valued targets, got dtype {y.dtype}")
+        if y.dim() == 0 or y.shape[0] != n:
+            raise ValueError(
+                f"{y_name}: expected {n} targets, one per row of {x_name}, got shape "
+                f"{tuple(y.shape)}"
+            )
+        check_finite(y, y_name)
+        return y
+
+    def component(self, predictive):
+        """A regression component: its mean and variance ``(N, O)`` each."""
+        return predictive.mean, predictive.variance
+
+    def stack_components(self, comps, concat=False):
+        join = torch.cat if concat else torch.stack
+        return join([c[0] for c in comps]), join([c[1] for c in comps])
+
+    def mixture(self, weights, comp):
+        """The mixture of the components' Gaussians over the ``O`` outputs jointly,
+        ``MixtureSameFamily`` with batch ``(N,)`` and event ``(O,)``: ``.mean`` ``Σ π_m μ_m``
+        and ``.variance`` ``Σ π_m σ_m² + Σ π_m (μ_m − μ)²`` (the moment match, Subspace
+        Inference G.1), ``.log_prob`` the mixture density itself."""
+        means, variances = comp
+        n = means.shape[1]
+        mix = torch.distributions.Categorical(probs=weights.to(means).expand(n, -1))
+        members = torch.distributions.Independent(
+            torch.distributions.Normal(means.movedim(0, 1), variances.sqrt().movedim(0, 1)), 1
+        )
+        return torch.distributions.MixtureSameFamily(mix, members)
+
+    def mixture_log_prob(self, weights, comp, y, y_name="y"):
+        means, variances = comp
+        n, o = means.shape[1:]
+        if not isinstance(y, torch.Tensor) or y.numel() != n * o:
+            raise ValueError(f"{y_name}: expected {n} targets with {o} output(s)")
+        yy = y.reshape(n, o).to(means)
+        log_p = torch.distributions.Normal(means, variances.sqrt()).log_prob(yy).sum(-1)
+        log_w = weights.to(means).clamp_min(1e-300).log()
+        return torch.logsumexp(log_w[:, None] + log_p, dim=0)
+
+    def mixture_confidence(self, weights, comp):
+        return None
 
     def __init__(
         self,
@@ -207,4 +255,5 @@ class Gaussian(Likelihood):
         if y.numel() != n * o or y.shape[0] != n:
             raise ValueError(f"y: expected {n} targets with {o} output(s), got {tuple(y.shape)}")
         yy = y.reshape(n, o).to(mean)
-        return predictive.log_prob(yy).sum(-1)
+        lp = predictive.log_prob(yy)
+        return lp if len(predictive.event_shape) == 1 else lp.sum(-1)  # per point, (N,)
