@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-import pyro_subspace.gram as gram_module
-import pyro_subspace.jacobians as jacobians
+import pyro_subspace.curvature.gram as gram_module
+import pyro_subspace.curvature.jacobians as jacobians
 from pyro_subspace import likelihoods
 from pyro_subspace.curvature import ggn_in_subspace, output_hessian
 from pyro_subspace.flat import FlatNet

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from pyro_subspace import SubspaceNet, gram, likelihoods, subspaces
+from pyro_subspace import SubspaceNet, likelihoods, subspaces
+from pyro_subspace.curvature import gram
 from pyro_subspace.linalg import posterior_factors_, reverse_, symmetrize_
 from pyro_subspace.infer import AutoSubspaceLaplace, linearized_moments
 

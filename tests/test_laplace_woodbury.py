@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from pyro_subspace import SubspaceNet, gram, likelihoods, subspaces
+from pyro_subspace import SubspaceNet, likelihoods, subspaces
+from pyro_subspace.curvature import gram
 from pyro_subspace.data import DataSource
 from pyro_subspace.flat import FlatNet
 from pyro_subspace.infer import AutoSubspaceLaplace, linearized_moments

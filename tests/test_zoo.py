@@ -18,7 +18,7 @@ from pyro.infer import MCMC
 from torch import nn
 
 from pyro_subspace import EllipticalSliceSampler, PatchedNet, SubspaceNet, likelihoods, subspaces
-from pyro_subspace.autodiff import strategy_of
+from pyro_subspace.curvature.autodiff import strategy_of
 from pyro_subspace.curvature import ggn_diagonal, ggn_vector_product
 from pyro_subspace.flat import FlatNet
 from pyro_subspace.infer import AutoSubspaceLaplace

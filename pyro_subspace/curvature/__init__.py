@@ -14,7 +14,7 @@
   `thick_restart_lanczos_eigh`: to a tolerance, in the fewest products (tested every step).
 """
 
-from ..jacobians import MAX_JACOBIAN_NUMBERS
+from .jacobians import MAX_JACOBIAN_NUMBERS
 from .block_lanczos import block_lanczos_eigh
 from .ggn import (
     full_jacobians,

@@ -27,11 +27,11 @@ from torch import nn
 from torch.func import vjp, vmap
 
 from .. import distributed
-from ..autodiff import jvp_any, jvps, strategy_of
+from .autodiff import jvp_any, jvps, strategy_of
 from ..data import DataSource
 from ..flat import FlatNet, eval_mode
-from ..gram import gram_from_blocks
-from ..jacobians import (
+from .gram import gram_from_blocks
+from .jacobians import (
     as_2d,
     factored_square_sums,
     full_jacobian_blocks,

@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ..autodiff import plain_kernels, strategy_of
+from .autodiff import plain_kernels, strategy_of
 from ..flat import eval_mode
 from ..likelihoods import Likelihood
 from .ggn import _inputs, _setup, ggn_matrix_product, ggn_vector_product

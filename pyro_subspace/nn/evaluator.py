@@ -16,7 +16,7 @@ from pyro.nn import PyroModule
 
 from ..data import DataSource
 from ..flat import FlatNet, preserved
-from ..gram import RootRows
+from ..curvature.gram import RootRows
 
 
 class Evaluator:

@@ -24,8 +24,8 @@ from torch import nn
 
 from ..curvature.blocks import JacobianBlockSource
 from ..flat import FlatNet
-from ..gram import RootRows, gram_from_blocks
-from ..jacobians import Blocks, Factor, dense_jacobian_blocks, index_jacobian_blocks, weighted
+from ..curvature.gram import RootRows, gram_from_blocks
+from ..curvature.jacobians import Blocks, Factor, dense_jacobian_blocks, index_jacobian_blocks, weighted
 
 
 class Subspace(nn.Module, JacobianBlockSource):

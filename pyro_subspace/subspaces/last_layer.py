@@ -17,7 +17,7 @@ from torch import nn
 
 from ..linalg import symmetrize_
 from ..flat import FlatNet, eval_mode
-from ..jacobians import Blocks, as_2d, weighted
+from ..curvature.jacobians import Blocks, as_2d, weighted
 from .base import IndexSubspace
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ...gram import RootRows, gram_from_blocks
+from ...curvature.gram import RootRows, gram_from_blocks
 
 #: The buffers a fit from rows may leave to first use.
 DEFERRABLE = ("ggn", "precision", "scale_tril")

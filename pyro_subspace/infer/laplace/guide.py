@@ -24,7 +24,7 @@ from pyro.infer.autoguide import AutoContinuous, AutoGuide
 from ... import validation as ck
 from ...linalg import row_gram, symmetrize_
 from ...data import DataSource
-from ...gram import RootRows
+from ...curvature.gram import RootRows
 from ...nn import SubspaceNet
 from ...nn.evaluator import Evaluator
 from ...transaction import transactional

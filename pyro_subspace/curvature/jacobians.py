@@ -23,7 +23,7 @@ from torch import nn
 from torch.func import jacrev, vmap
 
 from .autodiff import jvps, per_sample_jacobians_rowwise, plain_kernels
-from .flat import FlatNet, eval_mode
+from ..flat import FlatNet, eval_mode
 
 #: Budget (in numbers) for one block of per-sample Jacobians ``(rows, O, D)``: 50M numbers is
 #: 200 MB in float32, 400 MB in float64.

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .linalg import blas_threads, symmetrize_
+from ..linalg import blas_threads, symmetrize_
 
 #: Use BLAS ``syrk`` (half the multiplications of ``Aᵀ A``) through SciPy for CPU blocks.
 USE_SYRK = True
