@@ -272,6 +272,24 @@ class Likelihood(PyroModule):
         probabilities of each draw (the draws themselves for regression)."""
         return self.mean(outputs)
 
+    # ------------------------------------------------------------------ the noise evidence
+
+    def residual_statistics(self, outputs: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
+        """What the Laplace evidence needs to re-tune a noise scale (`noise_scale_tunable`):
+        the residual sum of squares and the number of observations of a chunk; ``(0.0, 0)``
+        for a likelihood without one."""
+        return 0.0, 0
+
+    def log_likelihood_at_noise(
+        self, sigma: torch.Tensor, residual_sum_of_squares: float, num_observations: float
+    ) -> torch.Tensor:
+        """``log p(D | t*)`` at another noise scale ``σ`` from `residual_statistics` (a
+        likelihood with one tunable noise scale only)."""
+        raise ValueError(
+            f"sigma: the {type(self).__name__} likelihood has no noise scale to re-tune (a "
+            "homoscedastic Gaussian has)"
+        )
+
     # ------------------------------------------------------------------ mixtures of predictives
 
     def check_targets(

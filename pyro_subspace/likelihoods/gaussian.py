@@ -57,6 +57,23 @@ class Gaussian(Likelihood):
     def predictive_samples(self, outputs: torch.Tensor) -> torch.Tensor:
         return outputs
 
+    def residual_statistics(self, outputs, y):
+        """``(Σ (y − μ)², N·O)`` of a chunk for a homoscedastic Gaussian (`noise_scale_tunable`),
+        ``(0.0, 0)`` otherwise."""
+        if not self.noise_scale_tunable:
+            return 0.0, 0
+        loc = self.loc_scale(outputs)[0]
+        return float((loc - y.reshape(loc.shape)).double().square().sum()), loc.numel()
+
+    def log_likelihood_at_noise(self, sigma, residual_sum_of_squares, num_observations):
+        """``−(N·O/2) log 2πσ² − RSS/2σ²`` (differentiable in ``σ``)."""
+        if not self.noise_scale_tunable:
+            return super().log_likelihood_at_noise(sigma, residual_sum_of_squares, num_observations)
+        return (
+            -num_observations / 2 * torch.log(2 * math.pi * sigma**2)
+            - residual_sum_of_squares / (2 * sigma**2)
+        )
+
     def check_targets(self, y, n, num_outputs=None, y_name="y", x_name="x") -> torch.Tensor:
         """A real tensor of finite targets, one (row) per row of the inputs."""
         if not isinstance(y, torch.Tensor):

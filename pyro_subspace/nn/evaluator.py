@@ -135,10 +135,8 @@ class Evaluator:
             for xc, yc in self.chunks():
                 out = model.outputs(t, xc)
                 loglik += float(lik.log_prob_prepared(out, yc).sum())
-                if lik.noise_scale_tunable:
-                    loc = lik.loc_scale(out)[0]
-                    sse += float((loc - yc.reshape(loc.shape)).double().square().sum())
-                    count += loc.numel()
+                part_sse, part_count = lik.residual_statistics(out, yc)
+                sse, count = sse + part_sse, count + part_count
         return self.data.reduce(loglik, sse, count)
 
     # ------------------------------------------------------------------ curvature

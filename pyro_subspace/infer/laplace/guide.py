@@ -497,9 +497,11 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         return float(self.likelihood.sigma.detach())
 
     def _gaussian_loglik(self, sigma: torch.Tensor) -> torch.Tensor:
+        """``log p(D | t*)`` at the noise ``σ`` (`Likelihood.log_likelihood_at_noise`)."""
         stats = self.statistics
-        sse, count = stats.residual_sum_of_squares, stats.num_observations
-        return -count / 2 * torch.log(2 * math.pi * sigma**2) - sse / (2 * sigma**2)
+        return self.likelihood.log_likelihood_at_noise(
+            sigma, stats.residual_sum_of_squares, stats.num_observations
+        )
 
     @_all_or_nothing
     def set_sigma(self, sigma: float | torch.Tensor) -> None:
