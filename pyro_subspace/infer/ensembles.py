@@ -7,8 +7,11 @@ with its own predictive distribution. They share one small interface (`MixturePr
   ``(M, N, C)`` (`Categorical`), ``P(y = 1)`` ``(M, N)`` (`Bernoulli`), or a pair
   ``(means (M, N, O), variances (M, N, O))`` of Gaussians that include the observation noise
   (`Gaussian` regression; ``O = 1`` for a single output or a heteroscedastic net).
-- ``predict(x)`` → the mixture predictive: probabilities ``(N, C)`` / ``(N,)``, or for regression
-  the moment-matched ``(mean (N, O), variance (N, O))``.
+- ``predict(x)`` → the mixture predictive as a ``torch.distributions`` object
+  (`Likelihood.mixture`): a ``Categorical`` over the averaged probabilities ``(N, C)`` (a
+  ``Bernoulli``, ``(N,)``), or for regression the mixture of the components' Gaussians
+  (``MixtureSameFamily``, batch ``(N,)``, event ``(O,)``), whose ``.mean`` and ``.variance`` are
+  the moment match.
 - ``log_prob(x, y)`` → the log predictive density of each target, ``(N,)``: the log of the
   mixture's probability of ``y_n``, for regression the exact mixture-of-Gaussians density.
 
