@@ -172,33 +172,28 @@ def _conjugate():
 def _setup_ess():
     prior, loglik = _conjugate()
 
-    def call():
-        kernel = EllipticalSliceSampler(
-            None, prior=prior, log_likelihood=lambda t: float(loglik(t))
-        )
-        kernel.setup(0)
-        params = kernel.initial_params
-        for _ in range(2):
-            params = kernel.sample(params)
-        return params
+    return lambda: _two_steps(
+        EllipticalSliceSampler(None, prior=prior, log_likelihood=lambda t: float(loglik(t)))
+    )
 
-    return call
+
+def _two_steps(kernel):
+    """Set up an MCMC kernel and take two transitions."""
+    kernel.setup(0)
+    params = kernel.initial_params
+    for _ in range(2):
+        params = kernel.sample(params)
+    return params
 
 
 def _setup_gess(seed):
     prior, loglik = _conjugate()
 
-    def call():
-        kernel = GeneralizedEllipticalSliceSampler(
+    return lambda: _two_steps(
+        GeneralizedEllipticalSliceSampler(
             prior=prior, log_likelihood=loglik, reference="prior", seed=seed
         )
-        kernel.setup(0)
-        params = kernel.initial_params
-        for _ in range(2):
-            params = kernel.sample(params)
-        return params
-
-    return call
+    )
 
 
 def _setup_fit_map(seed):
