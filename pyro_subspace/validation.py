@@ -69,6 +69,32 @@ def positive_float(
     return float(value)
 
 
+def prior_precision(value: object, k: int, name: str = "prior_precision") -> torch.Tensor:
+    """A prior precision ``λ`` as float64: 0-d for one value shared by all ``k`` coordinates
+    (a number, a NumPy scalar, a 0-d or one-element tensor), else ``(k,)`` (one per
+    coordinate); every value positive and finite. The one check of ``λ`` (the model's prior,
+    the Laplace guides, `infer.Laplace`, `MixtureOfLaplace`)."""
+    if isinstance(value, bool) or not isinstance(value, (Real, torch.Tensor, np.ndarray, np.generic)):
+        raise TypeError(f"{name}: expected a positive number or a ({k},) tensor, got {value!r}")
+    if isinstance(value, torch.Tensor):
+        lam = value.detach()
+    else:  # a Python or NumPy number read in float64 (torch's default would round to float32)
+        lam = torch.as_tensor(np.asarray(value, dtype=np.float64))
+    if not (lam.is_floating_point() or lam.dtype in (torch.int32, torch.int64)):
+        raise TypeError(f"{name}: expected real values, got dtype {lam.dtype}")
+    lam = lam.to(torch.float64)
+    if lam.numel() == 1:
+        lam = lam.reshape(())
+    elif lam.dim() != 1 or lam.shape[0] != k:
+        raise ValueError(
+            f"{name}: expected a number or a ({k},) tensor (one per coordinate), got shape "
+            f"{tuple(lam.shape)}"
+        )
+    if not bool(torch.isfinite(lam).all()) or bool((lam <= 0).any()):
+        raise ValueError(f"{name}: expected positive finite values, got {value!r}")
+    return lam.clone()
+
+
 def probability(value: object, name: str) -> float:
     """``value`` as a float in the open interval ``(0, 1)``."""
     if isinstance(value, bool) or not isinstance(value, Real):

@@ -136,11 +136,7 @@ class MixtureOfLaplace(MixturePredictor):
                 raise ValueError(
                     f"weights: expected non-negative weights with a positive sum, got {weights!r}"
                 )
-        bad = isinstance(prior_precision, bool) or not isinstance(prior_precision, (int, float))
-        if bad or not 0 < prior_precision < math.inf:
-            raise ValueError(
-                f"prior_precision: expected a positive number, got {prior_precision!r}"
-            )
+        prior_precision = float(validation.prior_precision(prior_precision, 1))
         if prior_mean not in ("zero", "shift"):
             raise ValueError(f"prior_mean: expected 'zero' or 'shift', got {prior_mean!r}")
         check_temperature(temperature), validation.positive_int(chunk_size, "chunk_size")

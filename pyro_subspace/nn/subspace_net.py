@@ -250,15 +250,7 @@ class SubspaceNet(PyroModule):
     def set_prior_precision(self, prior_precision: float | torch.Tensor) -> None:
         """Set ``λ`` (a positive float or ``(K,)``; scalar with ``prior_mean="zero"``) in place:
         every method using this model then targets the posterior under the new prior."""
-        if not isinstance(prior_precision, torch.Tensor):
-            validation.positive_float(prior_precision, "prior_precision")
-        lam = torch.as_tensor(prior_precision, dtype=torch.float64)
-        if lam.dim() > 1 or (lam.dim() == 1 and lam.shape[0] != self.rank):
-            raise ValueError(
-                f"prior_precision: expected a float or ({self.rank},), got {lam.shape}"
-            )
-        if not bool(torch.isfinite(lam).all()) or bool((lam <= 0).any()):
-            raise ValueError(f"prior_precision: expected positive finite values, got {lam}")
+        lam = validation.prior_precision(prior_precision, self.rank)
         uniform = lam.dim() == 0 or bool((lam == lam[0]).all())
         if self.prior_mean == "zero" and not self._gram_is_identity and not uniform:
             raise ValueError(

@@ -103,7 +103,7 @@ def Laplace(
     if not isinstance(net, nn.Module):
         raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
     check_likelihood(likelihood)
-    prior_precision = _check_lambda(prior_precision)
+    prior_precision = float(ck.prior_precision(prior_precision, 1))
     check_temperature(temperature)
     check_structure(hessian_structure, rank), ck.positive_int(chunk_size, "chunk_size")
     selected = isinstance(subset_of_weights, str) and subset_of_weights == "subnetwork"
@@ -765,7 +765,7 @@ class DiagonalLaplace(NetLaplace):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
         check_likelihood(likelihood)
-        prior_precision = _check_lambda(prior_precision)
+        prior_precision = float(ck.prior_precision(prior_precision, 1))
         model = SubspaceNet(
             net, all_weights(net), likelihood, prior_scale=1.0,
             temperature=check_temperature(temperature), prior_mean="zero",
@@ -806,12 +806,6 @@ def _describe(subset: object) -> str:
     if isinstance(subset, str):
         return repr(subset)
     return f"a {type(subset).__name__}"
-
-
-def _check_lambda(prior_precision: object) -> float:
-    """``λ`` as a float: a positive number, a one-element floating tensor (e.g. a tuned
-    ``la.prior_precision``) or a NumPy scalar."""
-    return ck.positive_float(prior_precision, "prior_precision")
 
 
 #: laplace-torch keywords with no counterpart here, and what to do instead

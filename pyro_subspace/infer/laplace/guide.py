@@ -126,7 +126,7 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         sub, k = model.subspace, model.rank
         lam = None
         if prior_precision is not None:
-            lam = _check_precision(prior_precision, k)
+            lam = ck.prior_precision(prior_precision, k)
             if rescale_prior:
                 lam = lam * k / sub.dim
         elif rescale_prior:
@@ -574,12 +574,3 @@ class FullPrior:
         if not math.isfinite(total):
             raise FloatingPointError("fit: the negative log joint is not finite at the MAP search")
         return total, grad + lam_d
-
-
-def _check_precision(value: object, k: int) -> torch.Tensor:
-    lam = torch.as_tensor(value, dtype=torch.float64)
-    if lam.dim() > 1 or (lam.dim() == 1 and lam.shape[0] != k):
-        raise ValueError(f"prior_precision: expected a float or a ({k},) tensor, got {value!r}")
-    if not torch.isfinite(lam).all() or (lam <= 0).any():
-        raise ValueError(f"prior_precision: expected positive finite values, got {value!r}")
-    return lam.clone()
