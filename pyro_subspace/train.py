@@ -137,13 +137,11 @@ def fit_map(
         return torch.optim.SGD(params, lr=rate, momentum=momentum)
 
     def batch_loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        # per step only the step: tensor targets were validated once above (a stream's per
+        # batch), and non-finite outputs make a non-finite loss, which take_steps reports
         out = net(xb)
         out = out.unsqueeze(-1) if out.dim() == 1 else out
-        if not torch.isfinite(out).all():
-            raise FloatingPointError(
-                "fit_map: the network outputs became non-finite; lower the learning rate"
-            )
-        return -likelihood.log_prob(out, likelihood.validate(out, yb) if streamed else yb).mean()
+        return likelihood.training_loss(out, likelihood.validate(out, yb) if streamed else yb)
 
     # the last epoch with a finite loss and finite weights: where a divergence goes back to
     last_good = {"epoch": 0, "state": Preserved((net, likelihood), False, True, True)}

@@ -97,6 +97,22 @@ class BaseLikelihoodTestCase:
                 one = lik.log_prob(draws[s, n : n + 1], y[n : n + 1])
                 assert torch.allclose(lp[s, n], one[0], rtol=1e-12)
 
+    def test_training_loss_and_prepared_log_prob_are_the_log_density(self):
+        """`training_loss` (fit_map's fast kernel) is ``−mean log p`` and `log_prob_prepared`
+        is `log_prob`, against the distribution's own ``log_prob`` (float64)."""
+        lik = self.create_likelihood()
+        out = self.outputs().requires_grad_(True)
+        y = self.targets(lik, out.detach())
+        prepared = lik.validate(out, y)
+        density = lik.distribution(out).log_prob(prepared)
+        density = density.sum(-1) if density.dim() > 1 else density
+        torch.testing.assert_close(lik.log_prob_prepared(out, prepared), density, rtol=1e-12, atol=0)
+        loss = lik.training_loss(out, prepared)
+        torch.testing.assert_close(loss, -density.mean(), rtol=1e-12, atol=1e-14)
+        (g1,) = torch.autograd.grad(loss, out)
+        (g2,) = torch.autograd.grad(-density.mean(), out)
+        torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-14)
+
     # ------------------------------------------------------------------ predictives
 
     def _brute_force_draws(self, m, c, seed=11):
