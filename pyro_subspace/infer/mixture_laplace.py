@@ -28,7 +28,6 @@ few nats, which is why uniform is the default.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -37,12 +36,11 @@ from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
 from .. import validation
-from ..transaction import transaction
-from ..curvature import subspace_jacobians
 from ..flat import eval_mode
 from ..likelihoods import Likelihood, check_temperature
 from ..nn import SubspaceNet
 from ..subspaces import Subspace, subnetwork
+from ..transaction import transaction
 from .ensembles import (
     MixturePredictor,
     _check_likelihoods,
@@ -52,6 +50,7 @@ from .ensembles import (
     output_width,
 )
 from .laplace import AutoSubspaceLaplace, check_grid, linearized_moments
+from .laplace.tuning import grid_covariances, grid_scores, select_on_grid
 
 __all__ = ["LastLayerLaplace", "MixtureOfLaplace"]
 
@@ -313,11 +312,8 @@ class MixtureOfLaplace(MixturePredictor):
                 threshold = float(hits.double().mean()) - margin
             grid = grid.sort().values
         scores = self._grid_scores(x_val, y_val, grid)
-        if method == "grid":
-            best = grid[int(scores[:, 0].argmax())]
-        else:
-            ok = (scores[:, 1] >= threshold).nonzero()
-            best = grid[int(ok[0, 0])] if ok.numel() else grid[-1]
+        best = select_on_grid(grid, scores, threshold if method == "confidence" else None)
+        if method == "confidence":
             self.confidence_threshold = float(threshold)
         for _, guide in self.members:  # the model's prior and Σ
             guide.set_prior_precision(best)
@@ -327,39 +323,15 @@ class MixtureOfLaplace(MixturePredictor):
         return self
 
     def _grid_scores(self, x: torch.Tensor, y: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-        """Validation log-likelihood and MMC (classification; else NaN) per ``λ``, ``(G, 2)``."""
-        # Σ(λ) = (G/T + λB)⁻¹ with B = Λ₀(1) = L Lᵀ: if L⁻¹ (G/T) L⁻ᵀ = U diag(e) Uᵀ then
-        # Σ(λ) = L⁻ᵀ U diag(1/(e + λ)) Uᵀ L⁻¹, so Var f = Σ_k (J_P L⁻ᵀ U)²_k / (e_k + λ):
-        # one eigendecomposition per member, then O(N·O·K) per λ.
-        blocks = []
+        """Validation log-likelihood and MMC (classification; else NaN) per ``λ``, ``(G, 2)``:
+        the one grid scorer (`tuning.grid_scores`) on the members' linearised outputs, each
+        from one eigendecomposition for the whole grid (`tuning.grid_covariances`)."""
+        members = []
         for model, guide in self.members:
-            w = model.subspace.weights(guide.loc).detach()
-            parts = list(
-                subspace_jacobians(model.flat.net, x, model.subspace, self.chunk_size, w=w)
-            )
-            f_mean = torch.cat([p[0] for p in parts]).double()
-            jp = torch.cat([p[1] for p in parts]).double()
-            chol = torch.linalg.cholesky(guide.prior_precision_matrix(torch.tensor(1.0).double()))
-            a = torch.linalg.solve_triangular(
-                chol, guide.ggn.double() / guide.temperature, upper=False
-            )
-            a = torch.linalg.solve_triangular(chol, a.T.contiguous(), upper=False)
-            e, u = torch.linalg.eigh((a + a.T) / 2)
-            ju = jp @ torch.linalg.solve_triangular(chol.T, u, upper=True)
-            blocks.append((f_mean, ju.square(), e.clamp_min(0.0)))
-        scores, lik = [], self.likelihood
-        for lam in grid:
-            comps = []
-            for (model, _), (f_mean, ju2, e) in zip(self.members, blocks):
-                f_var = ju2 @ (1.0 / (e + lam))
-                comps.append(_from_moments(model.likelihood, f_mean, torch.diag_embed(f_var)))
-            comp = lik.stack_components(comps)
-            weights = self.weights.to(f_mean.device)  # the members' device
-            loglik = lik.mixture_log_prob(weights, comp, y, "y_val").mean()
-            conf = lik.mixture_confidence(weights, comp)  # None for regression
-            mmc = conf.mean() if conf is not None else loglik.new_tensor(math.nan)
-            scores.append(torch.stack([loglik, mmc]))
-        return torch.stack(scores)
+            f_mean, f_cov = grid_covariances(guide, x, self.chunk_size)
+            members.append((model.likelihood, f_mean, f_cov))
+        weights = self.weights.to(members[0][1].device)  # the members' device
+        return grid_scores(members, weights, self.likelihood, y, grid)
 
     # ------------------------------------------------------------------ prediction
 

@@ -6,7 +6,11 @@
   log-likelihood of validation data (Subnetwork Inference tunes ``λ`` this way). The Jacobians of
   the validation inputs are computed once; each ``λ`` costs one factorisation.
 
-`MixtureOfLaplace` tunes one ``λ`` shared by its members with the same grid and score.
+One grid search serves every posterior: `grid_covariances` gives a posterior's linearised
+outputs for every ``λ`` of the grid, `grid_scores` scores the mixture of one or more of them
+(the validation log-likelihood and the mean confidence), `select_on_grid` picks by the
+log-likelihood or by MoLA's confidence rule. `MixtureOfLaplace` tunes one ``λ`` shared by its
+members with them.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import math
 
 import torch
 
+from ...curvature import subspace_jacobians
 from ...data import as_tensors
 from ...flat import FlatNet
 from ...validation import check_int
@@ -34,37 +39,88 @@ def check_grid(grid: object) -> torch.Tensor:
     return grid
 
 
-def mean_log_predictive(likelihood, f_mean, f_cov, y) -> torch.Tensor:
-    """Mean log density of ``y`` under the linearised predictive (probit / closed form)."""
-    y = likelihood.validate(f_mean, y)
-    predictive = likelihood.predictive_from_moments(f_mean, f_cov, "auto")
-    return likelihood.predictive_log_prob(predictive, y).mean()
+def grid_covariances(guide, x: torch.Tensor, chunk_size: int | None = None):
+    """The linearised outputs of a fitted guide at ``x`` for every scalar ``λ`` of a grid:
+    ``f_mean`` ``(N, O)`` and ``f_cov(λ)`` ``(N, O, O)`` (eqs. 11–12), the Jacobians computed
+    once.
 
-
-def validation_log_likelihood(guide, x, y, prior_precisions) -> torch.Tensor:
-    """Mean linearised predictive log-likelihood of ``(x, y)`` per ``λ``, ``(G,)`` float64."""
+    With a dense ``(K, K)`` curvature (the full structure) one eigendecomposition serves every
+    ``λ``: with ``Λ₀(λ) = λB``, ``B = L Lᵀ`` and ``L⁻¹ (PᵀGP/T) L⁻ᵀ = U diag(e) Uᵀ``,
+    ``Σ(λ) = L⁻ᵀ U diag(1/(e + λ)) Uᵀ L⁻¹``, so ``f_cov(λ) = Σ_k a_k a_kᵀ / (e_k + λ)`` with
+    ``a = J_P L⁻ᵀ U`` (``O(N·O²·K)`` per ``λ``, no factorisation). Other structures factorise
+    ``PᵀGP/T + Λ₀(λ)`` once per ``λ`` in their own form (a last layer from its features)."""
     guide._check_fitted()
     model, s = guide.model, guide.structure
-    sub = model.subspace
+    sub, k = model.subspace, model.rank
+    chunk = guide.chunk_size if chunk_size is None else chunk_size
     w = sub.weights(guide.loc).detach()
+    curvature = guide.ggn.double()
+    if tuple(curvature.shape) == (k, k):  # dense: one eigendecomposition for the whole grid
+        parts = list(subspace_jacobians(model.flat.net, x, sub, chunk, w=w))
+        f_mean = torch.cat([p[0] for p in parts]).double()
+        jp = torch.cat([p[1] for p in parts]).double()  # shape: (N, O, K)
+        chol = torch.linalg.cholesky(guide.prior_precision_matrix(torch.tensor(1.0).double()))
+        a = torch.linalg.solve_triangular(chol, curvature / guide.temperature, upper=False)
+        a = torch.linalg.solve_triangular(chol, a.T.contiguous(), upper=False)
+        e, u = torch.linalg.eigh((a + a.T) / 2)
+        ju = jp @ torch.linalg.solve_triangular(chol.T, u, upper=True)
+        e = e.clamp_min(0.0)
+        return f_mean, lambda lam: torch.einsum("nok,k,npk->nop", ju, 1.0 / (e + lam), ju)
     flat = FlatNet(model.flat.net, batch_strategy="loop")
     features = hasattr(sub, "feature_blocks")
     blocks = list(
-        sub.feature_blocks(flat, x, w, guide.chunk_size)
-        if features
-        else sub.jacobian_blocks(flat, x, w, guide.chunk_size)
+        sub.feature_blocks(flat, x, w, chunk) if features else sub.jacobian_blocks(flat, x, w, chunk)
     )
     f_mean = torch.cat([b[0] for b in blocks]).double()
-    scores = []
-    for lam in prior_precisions:
+
+    def f_cov(lam: torch.Tensor) -> torch.Tensor:
         prior = guide.prior_precision_matrix(lam)
-        cov = s.covariance(s.factor(s.precision(guide.ggn, guide.temperature, prior)))
+        cov = s.covariance(s.factor(s.precision(curvature, guide.temperature, prior)))
         if features:
-            f_cov = [s.feature_covariance(b.double(), sub.rows, cov, True) for _, b in blocks]
-        else:
-            f_cov = [s.functional_covariance(b.double(), cov) for _, b in blocks]
-        scores.append(mean_log_predictive(model.likelihood, f_mean, torch.cat(f_cov), y))
+            return torch.cat([s.feature_covariance(b.double(), sub.rows, cov, True) for _, b in blocks])
+        return torch.cat([s.functional_covariance(b.double(), cov) for _, b in blocks])
+
+    return f_mean, f_cov
+
+
+def grid_scores(members, weights, likelihood, y, grid, y_name: str = "y_val") -> torch.Tensor:
+    """The one grid scorer: for each ``λ`` the mixture ``Σ_m π_m p_m(y | x)`` of the members'
+    linearised predictives, its mean log-likelihood of ``y`` and its mean confidence (MMC;
+    NaN for regression), ``(G, 2)`` float64. ``members``: ``(likelihood, f_mean, f_cov)`` per
+    member (`grid_covariances`); one member of weight 1 scores a single Laplace posterior."""
+    scores = []
+    for lam in grid:
+        comps = [
+            lik.component(lik.predictive_from_moments(f_mean, f_cov(lam), "auto"))
+            for lik, f_mean, f_cov in members
+        ]
+        comp = likelihood.stack_components(comps)
+        loglik = likelihood.mixture_log_prob(weights, comp, y, y_name).mean()
+        conf = likelihood.mixture_confidence(weights, comp)  # None for regression
+        mmc = conf.mean() if conf is not None else loglik.new_tensor(math.nan)
+        scores.append(torch.stack([loglik, mmc]))
     return torch.stack(scores)
+
+
+def select_on_grid(grid: torch.Tensor, scores: torch.Tensor, threshold: float | None = None):
+    """The ``λ`` a grid search picks from `grid_scores`: the best validation log-likelihood, or,
+    with a ``threshold`` (MoLA's confidence rule, appendix F), the smallest ``λ`` whose mean
+    confidence reaches it (the largest if none does)."""
+    if threshold is None:
+        return grid[int(scores[:, 0].argmax())]
+    order = grid.argsort()
+    ok = (scores[order, 1] >= threshold).nonzero()
+    return grid[order[int(ok[0, 0])]] if ok.numel() else grid[order[-1]]
+
+
+def validation_log_likelihood(guide, x, y, prior_precisions) -> torch.Tensor:
+    """Mean linearised predictive log-likelihood of ``(x, y)`` per ``λ``, ``(G,)`` float64
+    (`grid_scores` of the one guide)."""
+    f_mean, f_cov = grid_covariances(guide, x)
+    y = guide.likelihood.validate(f_mean, y)
+    weights = torch.ones(1, dtype=torch.float64, device=f_mean.device)
+    members = [(guide.likelihood, f_mean, f_cov)]
+    return grid_scores(members, weights, guide.likelihood, y, prior_precisions, "y")[:, 0]
 
 
 def optimize_prior_precision(
@@ -130,7 +186,7 @@ def optimize_prior_precision(
         grid = check_grid(grid)
         scores = validation_log_likelihood(guide, x_val, y_val, grid)
         guide.grid_scores = scores
-        guide.set_prior_precision(grid[int(scores.argmax())])
+        guide.set_prior_precision(select_on_grid(grid, scores[:, None]))
 
 
 #: the keywords each method does not use, and which method uses each
