@@ -32,12 +32,15 @@ import torch
 from pyro.nn import PyroModule
 from pyro.nn.module import pyro_method
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
-from .. import validation
-from ..flat import FlatNet, eval_mode
+from .. import distributed, validation
+from ..data import check_batchnorm_loader
+from ..flat import FlatNet, eval_mode, preserved, train_mode
 from ..likelihoods import Likelihood, check_temperature
+from ..minibatch import loader_loop, minibatch_loop, shuffle_generator
 from ..threads import thread_policy
-from . import patch_fit, patch_flat, patch_svi
+from . import patch_flat, patch_svi
 from .patch_family import PatchFamily, check_call, drop_data_dim, plate_batch_shape, positive
 
 __all__ = ["PatchedNet"]
@@ -391,7 +394,68 @@ class PatchedNet(PyroModule):
             `negative_elbo` over ``N`` (the penalty is applied as weight decay); for ``"svi"`` the
             ELBO loss minus the constant `elbo_constant` (which would dominate it) over ``N``.
         """
-        return patch_fit.fit(self, x, y, epochs, lr, batch_size, method, seed)
+        streamed = isinstance(x, (Dataset, DataLoader))
+        # tensors: width, dtype, finiteness and targets against the net; a Dataset: its first item
+        n = validation.check_data(self.net, x, y, self.likelihood, require_y=not streamed)
+        if streamed and n == 0:
+            raise ValueError(
+                "x: PatchedNet.fit needs the number of training points N (eq. 7 weighs the prior "
+                "by 1/N): give a Dataset with a length (or a DataLoader over one)"
+            )
+        validation.positive_int(epochs, "epochs"), validation.positive_int(batch_size, "batch_size")
+        positive(lr, "lr")
+        validation.choice(method, "method", ("torch", "svi"))
+        if distributed.active() and method == "svi":
+            raise ValueError("method: 'svi' is not data-parallel (torch.distributed); use 'torch'")
+        local_n = n
+        if distributed.active():  # one draw per global minibatch: every rank follows rank 0's stream
+            n = sum(distributed.gather_ints(local_n))
+            distributed.share_random_stream()
+        gen = shuffle_generator(seed)
+        # one draw's outputs on the first row: the targets of tensors are checked against them once
+        # (streamed targets: per batch); drawn for a stream too, so that the training draws are the
+        # same whatever the source
+        first = x[:1] if not streamed else _first_row(x)
+        if first is not None:
+            with torch.no_grad():
+                probe = self.sample_outputs(first, 1)[0]
+        if not streamed:
+            y = self.likelihood.validate(probe.new_zeros(local_n, *probe.shape[1:]), y)
+        check_batchnorm_loader(self.net, x)
+        if method == "svi":  # SVI(fused_model, fused_guide, Adam, Trace_ELBO()): patch_svi
+            step = patch_svi.svi_step(self, n, lr, probe if streamed and first is not None else None)
+            optimizer = None
+        else:  # negative_elbo without the penalty over N, from the flat means; eq. (7) by Adam
+            step, optimizer = patch_svi.torch_step(self, n, lr, validate=streamed)
+
+        def on_epoch(epoch: int, loss: float) -> None:
+            distributed.sync_buffers(self)
+
+        with (
+            preserved(self, self.net, buffers="error", weights="error"),
+            train_mode(self, self.net),
+        ):
+            distributed.broadcast_state(self)  # rank 0's means and buffers, as DDP does
+            if streamed:  # BatchNorm needs two points: a last batch of one is dropped
+                loader = x if isinstance(x, DataLoader) else DataLoader(
+                    x, batch_size=batch_size, shuffle=True, generator=gen,
+                    drop_last=local_n % batch_size == 1,
+                )  # fmt: skip
+                return loader_loop(step, loader, epochs, optimizer, on_epoch, "PatchedNet.fit")
+            return minibatch_loop(
+                lambda idx: step(x[idx], y[idx]),
+                local_n,
+                epochs=epochs,
+                batch_size=batch_size,
+                generator=gen,
+                optimizer=optimizer,
+                device=x.device,
+                min_batch_size=2,
+                epoch_loss="batches",
+                on_epoch=on_epoch,
+                desc="PatchedNet.fit",
+                data_parallel=True,
+            )
 
     # ----------------------------------------------------------------------------------------
     # Pyro model and guide
@@ -460,3 +524,14 @@ class PatchedNet(PyroModule):
             loc = self.family.select(s, getattr(self, s.key), z, batch)  # through pyro.param
             out[s.site] = pyro.sample(s.site, self.family.weight_dist(loc, s))
         return out
+
+
+def _first_row(data: Dataset | DataLoader) -> torch.Tensor | None:
+    """The inputs of a map-style data set's first item as a batch of one, else ``None``."""
+    dataset = data.dataset if isinstance(data, DataLoader) else data
+    try:
+        item = dataset[0]
+    except (TypeError, IndexError, NotImplementedError, KeyError):
+        return None
+    xs = item[0] if isinstance(item, (tuple, list)) else item
+    return xs.unsqueeze(0) if isinstance(xs, torch.Tensor) else None
