@@ -270,16 +270,7 @@ class GeneralizedEllipticalSliceSampler(MCMCKernel):
         if y is None and (x is None or isinstance(x, torch.Tensor)):  # no targets: the prior
             return prior, lambda t: t.new_zeros(t.shape[0], dtype=torch.float64)
         ev = model.evaluator(x, y, self.chunk_size)  # a Dataset / DataLoader brings its targets
-        lik, temperature = model.likelihood, ev.temperature
-
-        def loglik(t: torch.Tensor) -> torch.Tensor:
-            total = torch.zeros(t.shape[0], dtype=torch.float64, device=t.device)
-            with torch.no_grad():
-                for xc, yc in ev.chunks():
-                    total = total + lik.log_prob_prepared(model.outputs(t, xc), yc).double().sum(-1)
-            return ev.data.reduce(total) / temperature  # all ranks' shards: the full data
-
-        return prior, loglik
+        return prior, ev.log_likelihood  # (B, K) -> (B,): all ranks' shards, the full data
 
     def _initial_reference(self, prior: Any, args: tuple, kwargs: dict):
         """``(μ (K,), Σ (K, K))`` float64 of the reference before any adaptation."""

@@ -73,8 +73,26 @@ class Evaluator:
 
     # ------------------------------------------------------------------ likelihood
 
-    def log_likelihood(self, t: torch.Tensor) -> float:
-        """Tempered ``log p(D | t) / T`` as a float, without gradients."""
+    def _log_probs(self, t: torch.Tensor, xc: torch.Tensor, yc: torch.Tensor) -> torch.Tensor:
+        """``log p(y_n | f(x_n; ŵ + P t))`` of one chunk, ``(n,)`` (``(B, n)`` for ``t``
+        ``(B, K)``): the one place the likelihood meets the data; every sum below is over it."""
+        return self.model.likelihood.log_prob_prepared(self.model.outputs(t, xc), yc)
+
+    def log_likelihood(self, t: torch.Tensor) -> float | torch.Tensor:
+        """Tempered ``log p(D | t) / T`` without gradients: a float for ``t`` ``(K,)``; for a
+        batch ``(B, K)`` a float64 ``(B,)`` tensor, one batched forward per chunk (the chains
+        of the generalised elliptical slice kernel), the per-point terms summed in float64."""
+        if t.dim() == 2:
+            if self._saved is not None:
+                raise ValueError(
+                    "t: a batch of coordinates with recompute_bn (the BatchNorm statistics "
+                    "are refreshed at one point at a time): evaluate them one by one"
+                )
+            total = torch.zeros(t.shape[0], dtype=torch.float64, device=t.device)
+            with torch.no_grad():
+                for xc, yc in self.chunks():
+                    total = total + self._log_probs(t, xc, yc).double().sum(-1)
+            return self.data.reduce(total) / self.temperature
         model = self.model
         # with the refresh, the user's buffers are put back after every evaluation, also when
         # it raises or is interrupted (Pyro calls no kernel cleanup on exceptions)
@@ -84,19 +102,15 @@ class Evaluator:
                 self._refresh_batchnorm(t)
             total = 0.0
             for xc, yc in self.chunks():
-                total += model.likelihood.log_prob_prepared(model.outputs(t, xc), yc).sum().item()
+                total += self._log_probs(t, xc, yc).sum().item()
         return self.data.reduce(total) / self.temperature
 
     def nll_and_grad(self, t: torch.Tensor) -> tuple[float, torch.Tensor]:
         """``−log p(D | t)/T`` and its gradient ``(K,)`` (float64), chunk by chunk."""
-        model = self.model
         t = t.detach().requires_grad_(True)
         total, grad = 0.0, torch.zeros_like(t)
         for xc, yc in self.chunks():
-            nll = (
-                -model.likelihood.log_prob_prepared(model.outputs(t, xc), yc).sum()
-                / self.temperature
-            )
+            nll = -self._log_probs(t, xc, yc).sum() / self.temperature
             (g,) = torch.autograd.grad(nll, t)
             total, grad = total + float(nll.detach()), grad + g.double()
         return self.data.reduce(total, grad)
@@ -106,15 +120,11 @@ class Evaluator:
         chunk, the gradient's ``K`` reverse-over-reverse products with the unit vectors,
         batched (a loop where a layer has no batching rule). Costs about ``K`` backward
         passes over the data; the Laplace MAP search uses it for its Newton steps."""
-        model = self.model
         t = t.detach().requires_grad_(True)
         eye = torch.eye(t.shape[0], dtype=t.dtype, device=t.device)
         total = torch.zeros(t.shape[0], t.shape[0], dtype=torch.float64, device=t.device)
         for xc, yc in self.chunks():
-            nll = (
-                -model.likelihood.log_prob_prepared(model.outputs(t, xc), yc).sum()
-                / self.temperature
-            )
+            nll = -self._log_probs(t, xc, yc).sum() / self.temperature
             (g,) = torch.autograd.grad(nll, t, create_graph=True)
             try:
                 (rows,) = torch.autograd.grad(g, t, eye, retain_graph=True, is_grads_batched=True)
