@@ -214,6 +214,46 @@ def _setup_patched_net():
     return lambda: PatchedNet(net, likelihoods.Categorical(), n_components=2, seed=4)
 
 
+def _setup_linearized_mc():
+    x, y = _data()
+    with rng.seeded(0):
+        la = Laplace(_net(), likelihoods.Categorical(), "last_layer").fit(x, y)
+    from pyro_subspace.infer import linearized_predictive
+
+    return lambda: linearized_predictive(la.guide, x, link_approx="mc", num_samples=20, seed=3)
+
+
+def _setup_mola_sample():
+    from pyro_subspace.infer import MixtureOfLaplace
+
+    x, y = _data()
+    with rng.seeded(0):
+        mola = MixtureOfLaplace([_net(), _net()], likelihoods.Categorical()).fit(x, y)
+    return lambda: mola.predict(x, method="sample", num_samples=5, seed=2)
+
+
+def _setup_patched_fit():
+    x, y = _data()
+    return lambda: PatchedNet(_net(), likelihoods.Categorical(), n_components=2, seed=4).fit(
+        x, y, epochs=1, batch_size=6, seed=5
+    )
+
+
+def _setup_ggn_eigen():
+    x, _ = _data()
+    net = _net()
+    return lambda: subspaces.ggn_eigen(net, likelihoods.Categorical(), x, 2, seed=1)
+
+
+def _setup_fit_curve():
+    x, y = _data()
+    net = _net()
+    w0 = nn.utils.parameters_to_vector(net.parameters()).detach()
+    return lambda: subspaces.fit_curve(
+        net, likelihoods.Categorical(), x, y, w0, w0 + 0.1, epochs=2, seed=3, progress=False
+    )
+
+
 def _setup_dataset(name):
     if name == "toy_regression":
         return lambda: datasets.toy_regression(n=20, n_test=10, n_grid=10, seed=1)
@@ -245,6 +285,11 @@ CASES = [
     ("fit_map(seed=None)", lambda: _setup_fit_map(None), False),
     ("pca(seed=0)", _setup_pca, True),
     ("PatchedNet(seed=4)", _setup_patched_net, True),
+    ("linearized_predictive(mc, seed=3)", _setup_linearized_mc, True),
+    ("MixtureOfLaplace.predict(sample, seed=2)", _setup_mola_sample, True),
+    ("ggn_eigen(seed=1)", _setup_ggn_eigen, True),
+    ("PatchedNet.fit(seed=5): draws from the caller's stream", _setup_patched_fit, False),
+    ("fit_curve(seed=3)", _setup_fit_curve, True),
     ("datasets.toy_regression", lambda: _setup_dataset("toy_regression"), True),
     ("datasets.in_between", lambda: _setup_dataset("in_between"), True),
     ("datasets.from_arrays", lambda: _setup_dataset("from_arrays"), True),
