@@ -18,12 +18,13 @@ from pyro.poutine.runtime import am_i_wrapped
 from torch import nn
 
 from ... import validation as ck
-from ...linalg import gaussian_draws
 from ...flat import FlatNet
+from ...linalg import gaussian_draws
 from ...likelihoods import Likelihood, check_likelihood, check_temperature
 from ...nn import SubspaceNet
 from ...subspaces import IndexSubspace, LastLayerSubspace, Subspace, subnetwork
-from .guide import AutoSubspaceLaplace, _all_or_nothing
+from ...transaction import transaction
+from .guide import AutoSubspaceLaplace
 from .predictive import linearized_moments
 from .structures import check_structure
 from .tuning import optimize_prior_precision
@@ -307,8 +308,8 @@ class NetLaplace(nn.Module):
         guide = self.guide
         self.model.check_data(x)
         t = guide.draw_latent(n_samples, generator)
-        with torch.no_grad():
-            return torch.stack([self.model.outputs(ts, x) for ts in t]).double()
+        with torch.no_grad():  # one batched evaluation of the S weight draws
+            return self.model.outputs(t, x).double()
 
     # ------------------------------------------------------------------ fitting and tuning
 
@@ -340,9 +341,9 @@ class NetLaplace(nn.Module):
 
     def _fit_at_current_weights(self, x, y, **kwargs) -> None:
         guide, model = self._modules["guide"], self.model
-
-        @_all_or_nothing
-        def fit(guide):
+        # one snapshot for the new shift and the fit together (the guide's own `fit` would
+        # take a second one): an interrupted or failed fit leaves both as they were
+        with transaction(guide, model, on_overflow=guide._mark_unfitted):
             w = FlatNet(model.net).vector().detach()
             shift = model.subspace.shift
             if w.shape != shift.shape:
@@ -353,9 +354,7 @@ class NetLaplace(nn.Module):
             if not torch.equal(w.to(shift), shift):
                 model.subspace.shift.copy_(w)
                 model.set_prior(model.prior_mean)  # t₀ = Pᵀ(0 − ŵ) follows the new shift
-            guide.fit(x, y, **kwargs)
-
-        fit(guide)
+            AutoSubspaceLaplace.fit.__wrapped__(guide, x, y, **kwargs)  # inside this snapshot
 
     def optimize_prior_precision(
         self,
