@@ -387,3 +387,18 @@ def test_regression_and_classification_patterns_match_laplace_torch():
     ours.fit(loader)
     for link in ("probit", "bridge", "bridge_norm"):
         assert rel(ours(x[:8], link_approx=link), theirs(x[:8], link_approx=link)) < 1e-6
+
+
+def test_a_guide_state_saved_before_the_prior_record_loads_and_asks_for_its_prior():
+    net, x, y = regression_problem()
+    la = Laplace(net, likelihoods.Gaussian(torch.tensor(0.5, dtype=F64)), "all", "full")
+    la.fit(x, y).optimize_prior_precision(method="marglik")
+    old = {k: v for k, v in la.guide.state_dict().items() if not k.startswith("posterior_")}
+    fresh = Laplace(net, likelihoods.Gaussian(torch.tensor(0.5, dtype=F64)), "all", "full")
+    fresh.model.load_state_dict(la.model.state_dict())
+    fresh.guide.load_state_dict(old)  # loads (strict): no missing-key error
+    with pytest.raises(RuntimeError, match="set_prior_precision"):
+        fresh(x[:3])
+    fresh.guide.set_prior_precision(fresh.model.prior_precision)
+    for a, b in zip(fresh(x[:3]), la(x[:3])):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)

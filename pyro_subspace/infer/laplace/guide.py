@@ -243,6 +243,13 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         self._reset_deferred()
+        if prefix + "loc" in state_dict and prefix + "posterior_prior_precision" not in state_dict:
+            # a state saved before the guide recorded the λ and σ its Σ was formed with: NaN
+            # marks them unknown, and the guide refuses to predict until set_prior_precision
+            # forms Σ for its model's prior (never silently with a mismatched prior)
+            k = self._buffers["loc"].shape[0]
+            state_dict[prefix + "posterior_prior_precision"] = torch.full((k,), math.nan).double()
+            state_dict[prefix + "posterior_sigma"] = torch.tensor(math.nan).double()
         for name in POSTERIOR_BUFFERS:  # copy_ needs memory to write into
             if not self._buffers[name].is_contiguous():
                 self._materialized(name).zero_()
@@ -254,6 +261,12 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         lam, sigma = self.model.prior_precision, self._model_sigma()
         formed, formed_sigma = self.posterior_prior_precision, float(self.posterior_sigma)
         same_sigma = math.isnan(sigma) and math.isnan(formed_sigma) or sigma == formed_sigma
+        if bool(formed.isnan().any()):
+            raise RuntimeError(
+                f"{type(self).__name__}: its state was saved before guides recorded the prior "
+                "their posterior was formed with: load the model's state_dict, then call "
+                "guide.set_prior_precision(guide.model.prior_precision) to form Σ for it"
+            )
         if not torch.equal(lam, formed.to(lam)) or not same_sigma:
             raise RuntimeError(
                 f"{type(self).__name__}: its posterior was formed with the prior precision "
