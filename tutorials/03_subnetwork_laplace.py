@@ -154,6 +154,24 @@ same = torch.allclose(front.covariance, approximations["last layer (51)"].covari
 assert same, "infer.Laplace and the explicit last-layer subspace disagree"
 print("infer.Laplace(..., 'last_layer') gives the same covariance as the explicit subspace")
 
+# %% [markdown]
+# The same object speaks laplace-torch: `f_mu, f_var = la(x)` is the linearised function-space
+# mean and covariance `(N, O, O)` without the noise (`predict` adds `σ²`), and laplace-torch's
+# hyperparameter loop writes the evidence's `λ` back, forming `Σ` once at the next use.
+
+# %%
+f_mu, f_var = front(data.grid)
+pred = front.predict(data.grid)
+sigma2 = float(lik.sigma) ** 2
+assert torch.allclose(f_var[:, 0, 0].double() + sigma2, pred.variance[:, 0], rtol=1e-5)
+log_prior = torch.zeros(1, requires_grad=True)
+hyper = torch.optim.Adam([log_prior], lr=0.1)
+for _ in range(20 if TINY else 100):
+    hyper.zero_grad()
+    (-front.log_marginal_likelihood(log_prior.exp())).backward()
+    hyper.step()
+print(f"laplace-torch's loop: λ = {float(front.prior_precision):.3g} (weight decay gave {lam:.3g})")
+
 # %%
 with torch.no_grad():
     f_map = net(data.grid)[:, 0]
