@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .validation import check_int
+
 __all__ = ["get_state", "preserved", "seeded", "set_state"]
 
 
@@ -105,6 +107,9 @@ def seeded(seed: int | None, *, numpy: bool = True, python: bool = True) -> Iter
     if seed is None:
         yield
         return
+    # NumPy takes seeds in [0, 2³² − 1]; torch alone any 64-bit integer
+    low, high = (0, 2**32 - 1) if numpy else (-(2**63), 2**64 - 1)
+    check_int(seed, "seed", low, high)
     with preserved(numpy=numpy, python=python):
         torch.manual_seed(seed)
         if numpy:

@@ -37,6 +37,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .validation import check_int
+
 #: the most bytes a snapshot copies (256 MiB); above it an interrupted fit calls
 #: ``on_overflow`` (mark unfitted) instead of restoring
 BUDGET_BYTES = 256 * 2**20
@@ -120,6 +122,9 @@ def transaction(
         on_overflow: called on failure instead of restoring when the snapshot would exceed
             ``budget`` (it must leave the object marked unfitted); ``None``: copy anyway.
     """
+    check_int(budget, "budget", 0, allow_none=True)
+    if on_overflow is not None and not callable(on_overflow):
+        raise TypeError(f"on_overflow: expected a callable or None, got {on_overflow!r}")
     snap = _Snapshot(objects)
     budget = BUDGET_BYTES if budget is None else budget
     restore = on_overflow is None or snap.nbytes() <= budget

@@ -362,3 +362,23 @@ def test_preserved_restores_when_the_block_raises():
             torch.randn(4)
             raise RuntimeError("boom")
         assert all(_snapshot()[g] == start[g] for g in GENERATORS)
+
+
+def test_seeded_and_transaction_name_bad_arguments_before_any_work():
+    from pyro_subspace.transaction import transaction
+
+    before = rng.get_state()
+    for bad, exc in (("a", TypeError), (2.5, TypeError), (-1, ValueError), (2**32, ValueError)):
+        with pytest.raises(exc, match="seed: expected an int in \\[0, 4294967295\\]"):
+            with rng.seeded(bad):
+                pass
+    with rng.seeded(2**40, numpy=False, python=False):  # torch alone takes 64-bit seeds
+        pass
+    after = rng.get_state()
+    assert torch.equal(before["torch"], after["torch"])
+    with pytest.raises(ValueError, match="budget: expected an int >= 0"):
+        with transaction(nn.Linear(2, 1), budget=-1):
+            pass
+    with pytest.raises(TypeError, match="on_overflow: expected a callable"):
+        with transaction(nn.Linear(2, 1), on_overflow="unfit"):
+            pass
