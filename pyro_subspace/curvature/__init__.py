@@ -8,6 +8,8 @@
   eigensolvers: no primal forward per product).
 - `ggn_in_subspace`: ``Pᵀ G P`` for a dense or index `Subspace` (eq. 15).
 - `ggn_diagonal`: the exact ``diag(G)`` (diagonal Laplace, section 5).
+- `kfac`: K-FAC, Kronecker-factored GGN blocks ``G ⊗ A`` of ``nn.Linear``/``nn.Conv2d`` layers
+  and the exact diagonal elsewhere, in one pass over the data (Ritter et al. 2018).
 - `subspace_jacobians`, `full_jacobians`: blocks of ``J_n P`` / ``J_n`` for predictives.
 - `lanczos_eigh`: top-``k`` eigenpairs of a symmetric operator (Subspace Inference appendix E),
   via ``linear_operator``'s Lanczos; `block_lanczos_eigh`: the block variant on ``G V``;
@@ -28,12 +30,15 @@ from .ggn import (
     subspace_jacobians,
 )
 from .ggn_operator import GGNOperator
+from .kfac import KronBlock, KronFactors, kfac
 from .lanczos import lanczos_eigh
 from .thick_lanczos import thick_restart_lanczos_eigh
 
 __all__ = [
     "MAX_JACOBIAN_NUMBERS",
     "GGNOperator",
+    "KronBlock",
+    "KronFactors",
     "block_lanczos_eigh",
     "full_jacobians",
     "ggn_diagonal",
@@ -42,6 +47,7 @@ __all__ = [
     "ggn_matrix_product",
     "ggn_vector_product",
     "gram_from_blocks",
+    "kfac",
     "lanczos_eigh",
     "output_hessian",
     "subspace_jacobians",

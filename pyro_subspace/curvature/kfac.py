@@ -1,0 +1,713 @@
+"""K-FAC: Kronecker-factored blocks of a network's GGN (type-2 Fisher), in one pass over the data.
+
+For an ``nn.Linear`` layer ``z = W a + b`` the GGN block of ``W`` is
+``Σ_n Σ_c (g_{n,c} g_{n,c}ᵀ) ⊗ (a_n a_nᵀ)`` (row-major ``vec W``), where ``a_n`` is the layer's
+input and ``g_{n,c} = J_{z,n}ᵀ L_n[:, c]`` the output-Hessian factor's column ``c``
+(``L_n L_nᵀ = H_n``, `Likelihood.hessian_factor`) back-propagated to the layer's output. K-FAC
+replaces the sum of Kronecker products by the Kronecker product of sums (Martens & Grosse 2015;
+Ritter et al. 2018, eq. 7; Eschenhagen et al. 2023, eq. 6)::
+
+    block(W) ≈ G ⊗ A,   G = Σ_{n,c} g_{n,c} g_{n,c}ᵀ  (out, out),   A = (1/N) Σ_n a_n a_nᵀ  (in, in)
+
+so ``G`` is a sum over the data and ``A`` a mean: the split laplace-torch's ``Kron`` stores
+(``[G, A]`` per weight, ``kron(G, A)`` its dense block in ``parameters_to_vector`` order, since
+``W`` ``(out, in)`` flattens row-major: entry ``(i, j)`` sits at ``i·in + j``). On one data point,
+or for a single linear layer with a likelihood whose ``H_n`` is the same for every point (a
+Gaussian of fixed ``σ``), ``G ⊗ A`` is the exact GGN block.
+
+Weight sharing (``nn.Conv2d``: ``R`` output locations per image; an ``nn.Linear`` applied to
+inputs ``(N, ..., in)``: ``R`` = the product of the middle dimensions) follows Eschenhagen et al.
+(2023, sections 3.1-3.2), chosen by ``conv``:
+
+- ``"expand"`` (Grosse & Martens 2016's KFC): locations are extra data points.
+  ``A = (1/(N R)) Σ_{n,r} a_{n,r} a_{n,r}ᵀ``, ``G = Σ_{n,r,c} g_{n,r,c} g_{n,r,c}ᵀ`` (``a_{n,r}``
+  the unfolded patch, ``in·kh·kw`` long in ``weight.reshape(out, -1)``'s column order).
+  curvlinops' ``KFACLinearOperator(kfac_approx="expand")``: laplace-torch's default
+  ``CurvlinopsGGN`` backend.
+- ``"reduce"``: the shared dimension is reduced before the outer products.
+  ``A = (1/N) Σ_n â_n â_nᵀ`` with ``â_n = (1/R) Σ_r a_{n,r}``, ``G = Σ_{n,c} ĝ_{n,c} ĝ_{n,c}ᵀ``
+  with ``ĝ_{n,c} = Σ_r g_{n,r,c}``. curvlinops' ``kfac_approx="reduce"`` (laplace-torch's
+  ``CurvlinopsGGN`` with ``asdl_fisher_kwargs={"kfac_approx": "reduce"}``).
+- ``"backpack"``: BackPack's KFLR/KFAC for convolutions (laplace-torch's ``BackPackGGN``),
+  which is neither of the two: ``G`` as in ``"reduce"`` and ``A = (1/N) Σ_{n,r} a_{n,r} a_{n,r}ᵀ``
+  (``R`` times ``"expand"``'s ``A``; BackPack's ``HBPConvNd`` docstring notes the factor ``R``).
+
+For layers without weight sharing (an MLP) the three coincide, and equal both laplace-torch
+backends. laplace-torch's ``KronLaplace.fit`` accumulates per batch ``G_b`` and
+``A_b · M_b/N`` (``A_b`` the batch mean) and adds factor by factor, so for the type-2 Fisher its
+``H_facs`` equal these full-data factors for ANY batching (checked in the tests); its ``H``
+leaves out ``1/σ²`` for regression (``KronLaplace`` multiplies it in, ``_H_factor``).
+
+Bias: ``bias="separate"`` (laplace-torch, curvlinops ``separate_weight_and_bias=True``) gives
+the bias its own block ``G`` (``kind="full"``): the exact GGN block of the bias when there is no
+weight sharing (and for ``"reduce"``/``"backpack"``); with ``"expand"`` it is the expand
+approximation ``Σ_{n,r,c} g gᵀ``, as in curvlinops. ``bias="augment"``: one block for
+``[W | b]``, the bias a column of ones appended to every input (``A`` gains a last row and
+column); its dense order is row-major ``vec [W | b]``, mapped to the flat vector by
+`KronBlock.index`.
+
+Every other parameter in scope (BatchNorm, LayerNorm, Embedding, LSTM, a Linear/Conv2d whose
+parameters are shared or that is not called exactly once per forward, a grouped convolution)
+gets the exact GGN diagonal (``kind="diagonal"``): ``Σ_n Σ_c ((L_nᵀ J_n)_{c,d})²`` from per-sample
+Jacobians of ``L_nᵀ f(x_n)`` with respect to only those parameters (``vmap`` over rows of
+``jacrev``; row by row where ``vmap`` fails), in blocks of at most
+``jacobians.SQUARE_SUM_NUMBERS // (C·D_diag)`` rows.
+
+``fisher="mc"`` (laplace-torch's ``stochastic=True``, curvlinops' ``fisher_type="mc"``): the
+factor's columns are replaced per point by ``mc_samples`` scores ``∇_f log p(ỹ | f_n) / √M`` with
+``ỹ ~ p(y | f_n)`` drawn from the likelihood's distribution, whose expected outer product is the
+Fisher ``= H_n`` for every likelihood here; so ``E[G_mc] = G``.
+
+Cost per chunk: one forward pass with hooks (each K-FAC layer's input and output), ``C``
+backward passes to the layers' outputs (``C`` = the factor's columns, ``mc_samples`` for
+``"mc"``), one ``gᵀg`` per layer and column and one ``aᵀa`` per layer; memory is that of one
+forward/backward pass on a chunk plus the unfolded patches of a convolution (computed in
+sub-blocks of at most `UNFOLD_NUMBERS` numbers). Sums are added in float64 across chunks (so
+they do not depend on the chunk size beyond rounding), then all-reduced over
+``torch.distributed`` ranks (`distributed.all_reduce_sum`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributions import Bernoulli, Categorical, Independent, Normal
+from torch.func import functional_call, jacrev, vmap
+
+from .. import distributed, rng
+from ..data import DataSource
+from ..flat import eval_mode
+from ..likelihoods import Likelihood, check_likelihood
+from ..threads import thread_policy
+from ..validation import check_inputs, check_int, choice, positive_int
+from .autodiff import plain_kernels
+from .jacobians import SQUARE_SUM_NUMBERS, as_2d
+from .output_hessian import hessian_factor
+
+__all__ = ["KronBlock", "KronFactors", "kfac"]
+
+#: ``fisher`` choices: the exact type-2 Fisher (= GGN) or its Monte Carlo estimate.
+FISHERS = ("type-2", "mc")
+#: ``conv`` choices: how a shared dimension (conv locations, sequence positions) is treated.
+CONVS = ("expand", "reduce", "backpack")
+#: ``bias`` choices: a block of its own, or a column of ones appended to the inputs.
+BIASES = ("separate", "augment")
+#: Seed of the generator ``fisher="mc"`` uses when none is given (plus the process's rank).
+MC_SEED = 0
+#: Numbers in one sub-block of unfolded convolution patches ``(rows, in·kh·kw, R)``.
+UNFOLD_NUMBERS = 8_000_000
+
+
+@dataclass(eq=False)
+class KronBlock:
+    """One block of the K-FAC curvature: the parameters it covers and its factors.
+
+    Attributes:
+        module: the module's name in the network (``""`` for the network itself).
+        params: names of the covered parameters (``net.named_parameters()``), in flat order.
+        index: ``(numel,)`` positions in the network's flat vector
+            (``parameters_to_vector(net.parameters())``) of this block's rows, in the block's
+            own order: row-major ``vec W`` (= flat order), the bias, or row-major
+            ``vec [W | b]`` for an augmented block.
+        G: ``(q, q)`` output-side factor (a sum over the data), or ``None`` (diagonal block).
+        A: ``(p, p)`` input-side factor (a mean over the data), or ``None`` (a bias or diagonal
+            block).
+        diagonal: ``(numel,)`` exact GGN diagonal of a non-K-FAC block, else ``None``.
+        augmented: ``A``'s last row/column belong to the bias (``bias="augment"``).
+    """
+
+    module: str
+    params: tuple[str, ...]
+    index: torch.Tensor
+    G: torch.Tensor | None = None
+    A: torch.Tensor | None = None
+    diagonal: torch.Tensor | None = None
+    augmented: bool = False
+
+    @property
+    def kind(self) -> str:
+        """``"kron"`` (``G ⊗ A``), ``"full"`` (``G`` alone: a bias) or ``"diagonal"``."""
+        if self.diagonal is not None:
+            return "diagonal"
+        return "full" if self.A is None else "kron"
+
+    @property
+    def numel(self) -> int:
+        """Number of weights the block covers."""
+        return self.index.numel()
+
+    def to_dense(self) -> torch.Tensor:
+        """The block as a dense ``(numel, numel)`` matrix in its own order (`index`):
+        ``torch.kron(G, A)``, ``G`` or ``diag(diagonal)``. For tests and small layers."""
+        if self.diagonal is not None:
+            return torch.diag(self.diagonal)
+        return self.G.clone() if self.A is None else torch.kron(self.G, self.A)
+
+    def diag(self) -> torch.Tensor:
+        """The block's diagonal ``(numel,)`` in its own order, without forming it densely."""
+        if self.diagonal is not None:
+            return self.diagonal
+        g = self.G.diagonal()
+        return g.clone() if self.A is None else torch.outer(g, self.A.diagonal()).reshape(-1)
+
+
+@dataclass(eq=False)
+class KronFactors:
+    """K-FAC curvature of a network (`kfac`): a list of blocks over disjoint weights.
+
+    The approximation of the GGN restricted to the covered weights is block diagonal with
+    `KronBlock.to_dense` as blocks; `index` says which weights of the flat vector are covered.
+
+    Attributes:
+        blocks: the blocks, ordered by their first weight in the flat vector.
+        num_data: ``N``, the data points summed over (all ranks).
+        num_weights: ``D``, the length of the network's flat vector.
+        fisher, conv, bias: the options the factors were computed with.
+    """
+
+    blocks: list[KronBlock]
+    num_data: int
+    num_weights: int
+    fisher: str = "type-2"
+    conv: str = "expand"
+    bias: str = "separate"
+    _order: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    @property
+    def index(self) -> torch.Tensor:
+        """``(K,)`` positions of the covered weights in the flat vector, ascending: the order
+        of the rows of `to_dense` and `diag` (``parameters_to_vector`` order restricted to
+        the covered parameters)."""
+        if self._order is None:
+            self._order = torch.cat([b.index for b in self.blocks]).sort().values
+        return self._order
+
+    def _local(self, block: KronBlock) -> torch.Tensor:
+        return torch.searchsorted(self.index, block.index)
+
+    def to_dense(self) -> torch.Tensor:
+        """``(K, K)`` block-diagonal approximation in `index` order (tests, small nets only)."""
+        first = self.blocks[0].G if self.blocks[0].G is not None else self.blocks[0].diagonal
+        k = self.index.numel()
+        out = torch.zeros(k, k, dtype=first.dtype, device=first.device)
+        for b in self.blocks:
+            pos = self._local(b).to(first.device)
+            out[pos[:, None], pos[None, :]] = b.to_dense()
+        return out
+
+    def diag(self) -> torch.Tensor:
+        """``(K,)`` diagonal of the approximation in `index` order."""
+        first = self.blocks[0].G if self.blocks[0].G is not None else self.blocks[0].diagonal
+        out = torch.zeros(self.index.numel(), dtype=first.dtype, device=first.device)
+        for b in self.blocks:
+            out[self._local(b).to(first.device)] = b.diag()
+        return out
+
+
+class _Layer:
+    """A Linear or Conv2d handled by K-FAC, and its running float64 sums."""
+
+    def __init__(self, name: str, module: nn.Module, weight, bias, augment: bool, pnames) -> None:
+        self.name, self.module = name, module
+        self.weight, self.bias = weight, bias  # the parameters covered (None: not covered)
+        #: names of the covered parameters, weight first
+        self.names = [pnames[id(p)] for p in (weight, bias) if p is not None]
+        self.conv = isinstance(module, nn.Conv2d)
+        self.augment = augment and weight is not None and bias is not None
+        self.A: torch.Tensor | float = 0.0  # Σ over the chunks of `_input_sum`, float64
+        self.G: torch.Tensor | None = None  # Σ gᵀg, float64
+
+
+def _check_modules(net: nn.Module, modules: object) -> list[nn.Module]:
+    """The roots of the covered scope: ``[net]`` or the given submodules (objects or names)."""
+    if modules is None:
+        return [net]
+    if isinstance(modules, (nn.Module, str)):
+        modules = [modules]
+    if not isinstance(modules, Iterable):
+        raise TypeError(
+            f"modules: expected None, a module, a module name or a list of them, got "
+            f"{type(modules).__name__}"
+        )
+    by_name = dict(net.named_modules())
+    ids = {id(m) for m in by_name.values()}
+    roots = []
+    for m in modules:
+        if isinstance(m, str):
+            if m not in by_name:
+                raise ValueError(f"modules: the network has no submodule named {m!r}")
+            m = by_name[m]
+        elif not isinstance(m, nn.Module):
+            raise TypeError(f"modules: expected modules or names, got {type(m).__name__}")
+        elif id(m) not in ids:
+            raise ValueError(f"modules: {type(m).__name__} is not a submodule of net")
+        roots.append(m)
+    if not roots:
+        raise ValueError("modules: expected at least one module, got an empty list")
+    return roots
+
+
+def _plan(net: nn.Module, roots: list[nn.Module], augment: bool):
+    """``(layers, diagonal)``: the K-FAC layers and ``{module name: [parameter names]}`` of the
+    other covered parameters, both in scope order; names and flat offsets of all parameters."""
+    names = {id(m): n for n, m in net.named_modules()}
+    pnames = {id(p): n for n, p in net.named_parameters()}
+    owners: dict[int, int] = {}
+    for m in net.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    scope, seen = [], set()
+    for root in roots:
+        for m in root.modules():
+            if id(m) not in seen:
+                seen.add(id(m))
+                scope.append(m)
+    layers, diagonal, taken = [], {}, set()
+    for m in scope:
+        own = [p for p in m.parameters(recurse=False) if p.requires_grad and id(p) not in taken]
+        if not own:
+            continue
+        taken.update(id(p) for p in own)
+        kron = (
+            isinstance(m, (nn.Linear, nn.Conv2d))
+            and (not isinstance(m, nn.Conv2d) or m.groups == 1)
+            and all(owners[id(p)] == 1 for p in m.parameters(recurse=False))
+        )
+        if kron:
+            w = m.weight if m.weight.requires_grad else None
+            b = m.bias if m.bias is not None and m.bias.requires_grad else None
+            layers.append(_Layer(names[id(m)], m, w, b, augment, pnames))
+        else:
+            diagonal[names[id(m)]] = [pnames[id(p)] for p in own]
+    if not layers and not diagonal:
+        raise ValueError(
+            "modules: no parameters that require grad in "
+            + ("net" if roots == [net] else "the given modules")
+        )
+    return layers, diagonal
+
+
+def _check_generator(generator: object, device: torch.device) -> torch.Generator:
+    """The generator for ``fisher="mc"``: the given one, one seeded with an int, or one
+    seeded with ``MC_SEED + rank``."""
+    if isinstance(generator, torch.Generator):
+        return generator
+    if generator is None:
+        return torch.Generator(device=device).manual_seed(MC_SEED + distributed.world()[0])
+    if isinstance(generator, bool) or not isinstance(generator, int):
+        raise TypeError(
+            f"generator: expected a torch.Generator, an int seed or None, got "
+            f"{type(generator).__name__}"
+        )
+    check_int(generator, "generator", 0, 2**63 - 1)
+    return torch.Generator(device=device).manual_seed(generator)
+
+
+@thread_policy
+def kfac(
+    net: nn.Module,
+    likelihood: Likelihood,
+    x: object,
+    y: torch.Tensor | None = None,
+    *,
+    modules: nn.Module | str | Sequence[nn.Module | str] | None = None,
+    fisher: str = "type-2",
+    conv: str = "expand",
+    bias: str = "separate",
+    chunk_size: int = 1024,
+    generator: torch.Generator | int | None = None,
+    mc_samples: int = 1,
+    dtype: torch.dtype | None = None,
+) -> KronFactors:
+    """K-FAC factors of the GGN (type-2 Fisher) for ``nn.Linear``/``nn.Conv2d`` layers, the
+    exact GGN diagonal for every other covered parameter, in one pass over the data.
+
+    Martens & Grosse (2015); Ritter et al. (2018) eq. 7 (the Laplace use); Grosse & Martens
+    (2016) and Eschenhagen et al. (2023) eqs. 10-13 for convolutions and weight sharing (the
+    module docstring states every convention and which laplace-torch backend it equals).
+    No prior and no temperature are added. The network runs in eval mode.
+
+    Args:
+        net: the network; its current weights are used. Outputs ``(N, O)`` (or ``(N,)``).
+        likelihood: a `Likelihood`; its `Likelihood.hessian_factor` (or, for ``"mc"``, its
+            ``distribution``) gives the back-propagated columns.
+        x: inputs ``(N, ...)``, or a ``Dataset``/``DataLoader`` of ``(x, y)`` (its batches
+            are split further into ``chunk_size`` rows and moved to the network's device).
+        y: targets ``(N, ...)`` with tensor ``x``: accepted and checked for length only; the
+            type-2 and MC Fishers do not depend on them.
+        modules: what to cover: ``None`` (every parameter of ``net`` that requires grad), or a
+            module, a name from ``net.named_modules()`` or a list of them (everything inside
+            them, e.g. ``[net[-1]]`` for a last-layer Laplace).
+        fisher: ``"type-2"`` (the exact GGN's factors) or ``"mc"`` (sampled targets).
+        conv: ``"expand"``, ``"reduce"`` or ``"backpack"`` for weight sharing (module
+            docstring); irrelevant for layers without it.
+        bias: ``"separate"`` (bias block ``G``) or ``"augment"`` (one block for ``[W | b]``).
+        chunk_size: rows per forward/backward pass; the factors do not depend on it.
+        generator: for ``"mc"``: a ``torch.Generator`` (on the network's device, or on the
+            CPU: draws are then moved), an int seed, or ``None``: a new generator seeded with
+            ``MC_SEED`` plus the process's rank. Torch's global generators are not advanced.
+        mc_samples: draws per data point for ``"mc"`` (must be 1 for ``"type-2"``).
+        dtype: dtype of the returned factors (default the network's). Each chunk's products
+            are formed in the network's dtype and added up in float64.
+
+    Returns:
+        `KronFactors`: for each K-FAC layer a ``"kron"`` block ``G ⊗ A`` of the weight (plus a
+        ``"full"`` block ``G`` of the bias with ``bias="separate"``), and one ``"diagonal"``
+        block per other module owning covered parameters.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+        >>> factors = kfac(net, Categorical(), torch.randn(20, 3))
+        >>> [(b.module, b.kind, b.numel) for b in factors.blocks]
+        [('0', 'kron', 15), ('0', 'full', 5), ('2', 'kron', 10), ('2', 'full', 2)]
+        >>> factors.to_dense().shape
+        torch.Size([32, 32])
+    """
+    if not isinstance(net, nn.Module):
+        raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
+    params = list(net.parameters())
+    if not params:
+        raise ValueError("net: the network has no parameters")
+    check_likelihood(likelihood)
+    choice(fisher, "fisher", FISHERS)
+    choice(conv, "conv", CONVS)
+    choice(bias, "bias", BIASES)
+    positive_int(chunk_size, "chunk_size")
+    positive_int(mc_samples, "mc_samples")
+    if fisher == "type-2" and mc_samples != 1:
+        raise ValueError(f"mc_samples: only fisher='mc' draws samples, got {mc_samples}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype: expected a floating-point torch.dtype or None, got {dtype!r}")
+    device = params[0].device
+    gen = _check_generator(generator, device) if fisher == "mc" else None
+    if isinstance(x, torch.Tensor):
+        check_inputs(net, x, "x")
+    source = DataSource(x, y, chunk_size)  # a Dataset/DataLoader, else a TypeError naming x
+    layers, diagonal = _plan(net, _check_modules(net, modules), bias == "augment")
+
+    out_dtype = dtype or params[0].dtype
+    named = dict(net.named_parameters())
+    diag_sums = {p: 0.0 for names in diagonal.values() for p in names}
+    count, first = 0, True
+    with eval_mode(net), torch.enable_grad():
+        for xs, _ in source:
+            for xc in xs.to(device).split(chunk_size):
+                out, seen = _hooked_forward(net, layers, xc)
+                if first:
+                    layers = _settle(layers, seen, xc.shape[0], diagonal, diag_sums)
+                    first = False
+                    seen = {k: v for k, v in seen.items() if k in {lay.name for lay in layers}}
+                _check_calls(layers, seen, xc.shape[0])
+                out2 = as_2d(out)
+                if fisher == "mc":
+                    factor = _mc_factor(likelihood, out2.detach(), mc_samples, gen)
+                else:
+                    factor = hessian_factor(likelihood, out2.detach()).to(out2)
+                for lay in layers:
+                    if lay.weight is not None:
+                        lay.A = lay.A + _input_sum(lay, seen[lay.name][0][0], conv)
+                _backward(out2, factor, layers, seen, conv)
+                del out, seen
+                if diag_sums:
+                    _diagonal_sums(net, named, diag_sums, xc, factor)
+                count += xc.shape[0]
+
+    _fill_zeros(layers, diag_sums, named, device)  # a shard without rows adds zeros
+    # one all_reduce over the ranks for every sum (float64)
+    sums = [count] + [t for lay in layers for t in (lay.A, lay.G)] + list(diag_sums.values())
+    reduced = distributed.all_reduce_sum(*sums)  # a tuple: there are always two or more
+    count, rest = round(reduced[0]), list(reduced[1:])
+    for lay in layers:
+        lay.A, lay.G = rest.pop(0), rest.pop(0)
+    for name in diag_sums:
+        diag_sums[name] = rest.pop(0)
+    if count == 0:
+        raise ValueError("x: the data source yielded no rows")
+    return _assemble(net, layers, diagonal, diag_sums, count, out_dtype, fisher, conv, bias)
+
+
+def _fill_zeros(layers: list[_Layer], diag_sums: dict, named: dict, device) -> None:
+    """Zero sums (float64) where no chunk added anything, so every rank packs the same shapes."""
+    for lay in layers:
+        m = lay.module
+        if lay.G is None:
+            q = m.out_channels if lay.conv else m.out_features
+            lay.G = torch.zeros(q, q, dtype=torch.float64, device=device)
+        if lay.weight is not None and not isinstance(lay.A, torch.Tensor):
+            p = m.in_channels * math.prod(m.kernel_size) if lay.conv else m.in_features
+            p += int(lay.augment)
+            lay.A = torch.zeros(p, p, dtype=torch.float64, device=device)
+    for name, value in diag_sums.items():
+        if not isinstance(value, torch.Tensor):
+            diag_sums[name] = torch.zeros_like(named[name], dtype=torch.float64)
+
+
+def _hooked_forward(net: nn.Module, layers: list[_Layer], x: torch.Tensor):
+    """``net(x)`` with forward hooks keeping every K-FAC layer's ``(input, output)``; the
+    outputs require grad (a leaf where nothing before them does), and the network continues
+    with a clone, so later in-place ops (``ReLU(inplace=True)``) do not rebase them."""
+    seen: dict[str, list] = {lay.name: [] for lay in layers}
+
+    def hook(name: str):
+        def keep(module, inp, out):
+            if not isinstance(out, torch.Tensor) or not inp or not isinstance(inp[0], torch.Tensor):
+                seen[name].append((None, None))
+                return None
+            z = out if out.requires_grad else out.detach().requires_grad_(True)
+            seen[name].append((inp[0].detach(), z))
+            return z.clone()
+
+        return keep
+
+    handles = [lay.module.register_forward_hook(hook(lay.name)) for lay in layers]
+    try:
+        out = net(x)
+    finally:
+        for h in handles:
+            h.remove()
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"net: expected a tensor output (N, O), got {type(out).__name__}")
+    return out, seen
+
+
+def _usable(lay: _Layer, calls: list, n: int) -> str | None:
+    """Why a layer's forward calls do not fit K-FAC (``None``: they do)."""
+    if len(calls) != 1:
+        return f"it was called {len(calls)} times in one forward pass"
+    a, z = calls[0]
+    if a is None:
+        return "its input or output is not a tensor"
+    if lay.conv and a.dim() != 4:
+        return f"its input has shape {tuple(a.shape)}, not (N, C, H, W)"
+    if a.dim() < 2 or a.shape[0] != n or z.shape[0] != n:
+        return f"its input {tuple(a.shape)} does not have the {n} rows of the chunk first"
+    return None
+
+
+def _settle(layers, seen, n, diagonal, diag_sums) -> list[_Layer]:
+    """On the first chunk: layers whose calls do not fit K-FAC get the GGN diagonal (warned)."""
+    kept = []
+    for lay in layers:
+        why = _usable(lay, seen[lay.name], n)
+        if why is None:
+            kept.append(lay)
+            continue
+        warnings.warn(
+            f"kfac: layer {lay.name!r} gets the exact GGN diagonal instead of K-FAC: {why}",
+            stacklevel=3,
+        )
+        diagonal[lay.name] = list(lay.names)
+        diag_sums.update({nm: 0.0 for nm in lay.names})
+    return kept
+
+
+def _check_calls(layers: list[_Layer], seen: dict, n: int) -> None:
+    for lay in layers:
+        why = _usable(lay, seen[lay.name], n)
+        if why is not None:
+            raise ValueError(
+                f"net: layer {lay.name!r} fitted K-FAC on the first chunk, not now: {why}"
+            )
+
+
+def _patches(lay: _Layer, a: torch.Tensor) -> torch.Tensor:
+    """Unfolded input patches ``(n, in·kh·kw, R)`` of a Conv2d (``F.unfold``; the column order
+    of ``weight.reshape(out, -1)``)."""
+    m = lay.module
+    if m.padding_mode == "zeros" and not isinstance(m.padding, str):
+        return F.unfold(a, m.kernel_size, m.dilation, m.padding, m.stride)
+    # a padding mode or a string padding: pad as Conv2d._conv_forward does (its private
+    # ``_reversed_padding_repeated_twice``), then unfold without padding
+    mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+    a = F.pad(a, m._reversed_padding_repeated_twice, mode=mode)
+    return F.unfold(a, m.kernel_size, m.dilation, 0, m.stride)
+
+
+def _gram(rows: torch.Tensor) -> torch.Tensor:
+    """``rowsᵀ rows`` in float64 (float32 products are formed in float32, then widened)."""
+    return (rows.T @ rows).double()
+
+
+def _input_sum(lay: _Layer, a: torch.Tensor, conv: str) -> torch.Tensor:
+    """This chunk's contribution to ``N·A`` (``"expand"``: already divided by ``R``)."""
+    if lay.conv:
+        p = lay.module.in_channels * math.prod(lay.module.kernel_size)
+        per_row = _patches(lay, a[:1]).numel()
+        step = max(1, UNFOLD_NUMBERS // max(1, per_row))  # sub-blocks bound the patches' memory
+        total = 0.0
+        for start in range(0, a.shape[0], step):
+            u = _patches(lay, a[start : start + step])  # shape: (rows, P, R)
+            r = u.shape[2]
+            if conv == "reduce":
+                rows = u.mean(2)
+            else:
+                rows = u.transpose(1, 2).reshape(-1, p)
+            rows = _ones_column(rows) if lay.augment else rows
+            total = total + (_gram(rows) / r if conv == "expand" else _gram(rows))
+        return total
+    r = math.prod(a.shape[1:-1])
+    if conv == "reduce" and a.dim() > 2:
+        rows = a.mean(tuple(range(1, a.dim() - 1)))
+    else:
+        rows = a.reshape(-1, a.shape[-1])
+    rows = _ones_column(rows) if lay.augment else rows
+    return _gram(rows) / r if conv == "expand" and r > 1 else _gram(rows)
+
+
+def _ones_column(rows: torch.Tensor) -> torch.Tensor:
+    return torch.cat([rows, rows.new_ones(rows.shape[0], 1)], 1)
+
+
+def _grad_rows(lay: _Layer, g: torch.Tensor, conv: str) -> torch.Tensor:
+    """Back-propagated columns at a layer's output as rows ``(·, out)``: one per data point
+    and location (``"expand"``) or summed over the locations (``"reduce"``, ``"backpack"``)."""
+    if lay.conv:
+        g = g.flatten(2)  # shape: (n, out, R)
+        if conv == "expand":
+            return g.transpose(1, 2).reshape(-1, g.shape[1])
+        return g.sum(2)
+    if g.dim() > 2 and conv != "expand":
+        return g.sum(tuple(range(1, g.dim() - 1)))
+    return g.reshape(-1, g.shape[-1])
+
+
+def _backward(out2, factor, layers, seen, conv: str) -> None:
+    """``G += Σ_c g_cᵀ g_c`` per layer: one backward pass per column ``c`` of ``factor``
+    ``(n, O, C)`` to the layers' outputs (curvlinops does the same per column). The rows of
+    several columns are stacked (up to `UNFOLD_NUMBERS` numbers per layer) so that one matrix
+    product serves them."""
+    if not layers:
+        return
+    zs = [seen[lay.name][0][1] for lay in layers]
+    cols = factor.shape[-1]
+    pending: list[list[torch.Tensor]] = [[] for _ in layers]
+    for c in range(cols):
+        grads = torch.autograd.grad(
+            (out2 * factor[:, :, c]).sum(), zs, retain_graph=c + 1 < cols, allow_unused=True
+        )
+        for i, (lay, g) in enumerate(zip(layers, grads)):
+            if g is None:  # the layer does not reach the outputs
+                continue
+            pending[i].append(_grad_rows(lay, g, conv))
+            if c + 1 == cols or sum(r.numel() for r in pending[i]) * 2 > UNFOLD_NUMBERS:
+                _add_gram(lay, torch.cat(pending[i]) if len(pending[i]) > 1 else pending[i][0])
+                pending[i] = []
+
+
+def _add_gram(lay: _Layer, rows: torch.Tensor) -> None:
+    if lay.G is None:
+        lay.G = _gram(rows)
+    else:
+        lay.G += _gram(rows)
+
+
+def _draw(dist, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """One draw of ``dist`` from ``generator``: Normal, Categorical and Bernoulli (wrapped in
+    ``Independent`` or not) by ``randn``/``multinomial``/``bernoulli`` with the generator; any
+    other distribution by its own ``sample()`` inside `rng.preserved` after seeding torch's
+    global generator from ``generator`` (so the caller's global stream does not move)."""
+    base = dist
+    while isinstance(base, Independent):
+        base = base.base_dist
+    gd = generator.device
+    if isinstance(base, Normal):
+        loc, scale = base.loc, base.scale
+        eps = torch.randn(loc.shape, generator=generator, dtype=loc.dtype, device=gd)
+        return loc + scale * eps.to(device)
+    if isinstance(base, Categorical):
+        probs = base.probs
+        k = probs.shape[-1]
+        idx = torch.multinomial(probs.reshape(-1, k).to(gd), 1, generator=generator)
+        return idx.reshape(probs.shape[:-1]).to(device)
+    if isinstance(base, Bernoulli):
+        return torch.bernoulli(base.probs.to(gd), generator=generator).to(device)
+    seed = int(torch.randint(2**62, (), generator=generator, device=gd))
+    with rng.preserved(numpy=False, python=False):
+        torch.manual_seed(seed)
+        return dist.sample()
+
+
+def _mc_factor(likelihood, out2: torch.Tensor, m: int, generator) -> torch.Tensor:
+    """``(n, O, M)`` scores ``∇_f log p(ỹ | f_n) / √M``, ``ỹ ~ p(y | f_n)``: ``E[s sᵀ]`` is the
+    Fisher, the likelihood's ``H_n``."""
+    likelihood.check_curvature_outputs(out2)
+    cols = []
+    for _ in range(m):
+        with torch.no_grad():
+            ys = _draw(likelihood.distribution(out2), generator, out2.device)
+        f = out2.detach().requires_grad_(True)
+        (score,) = torch.autograd.grad(likelihood.log_prob_prepared(f, ys).sum(), f)
+        cols.append(score)
+    return torch.stack(cols, -1).div_(math.sqrt(m))
+
+
+def _diagonal_sums(net, named, sums: dict, x: torch.Tensor, factor: torch.Tensor) -> None:
+    """``sums[name] += Σ_n Σ_c ((L_nᵀ J_n)_{c,·})²`` for the diagonal parameters: ``vmap`` over
+    rows of ``jacrev`` of ``L_nᵀ f(x_n)`` with respect to those parameters only."""
+    params = {name: named[name].detach() for name in sums}
+    width = sum(p.numel() for p in params.values())
+    c = factor.shape[-1]
+    rows = max(1, SQUARE_SUM_NUMBERS // max(1, c * width))
+
+    def one(p: dict, xn: torch.Tensor, ln: torch.Tensor) -> torch.Tensor:
+        return ln.T @ functional_call(net, p, (xn.unsqueeze(0),)).reshape(-1)  # shape: (C,)
+
+    factor = factor.detach()
+    for xb, lb in zip(x.split(rows), factor.split(rows)):
+        try:
+            jac = vmap(jacrev(one), in_dims=(None, 0, 0))(params, xb, lb)
+        except (RuntimeError, NotImplementedError):  # e.g. RNNs under vmap: row by row
+            with plain_kernels():
+                per_row = [jacrev(one)(params, xn, ln) for xn, ln in zip(xb, lb)]
+            jac = {k: torch.stack([r[k] for r in per_row]) for k in params}
+        for name, j in jac.items():
+            sums[name] = sums[name] + j.detach().square().sum((0, 1)).double()
+
+
+def _assemble(net, layers, diagonal, diag_sums, count, dtype, fisher, conv, bias) -> KronFactors:
+    """The blocks from the reduced sums: ``A /= N``, flat positions, the requested dtype."""
+    starts, offset = {}, 0
+    for p in net.parameters():
+        starts[id(p)] = offset
+        offset += p.numel()
+    pnames = {id(p): n for n, p in net.named_parameters()}
+    named = dict(net.named_parameters())
+
+    def span(p) -> torch.Tensor:
+        return torch.arange(starts[id(p)], starts[id(p)] + p.numel())
+
+    blocks = []
+    for lay in layers:
+        g = lay.G.to(dtype)
+        if lay.weight is None:  # the bias alone
+            blocks.append(KronBlock(lay.name, (pnames[id(lay.bias)],), span(lay.bias), G=g))
+            continue
+        a = (lay.A / count).to(dtype)
+        w = lay.weight
+        if lay.augment:
+            out_f, in_f = w.shape[0], w.numel() // w.shape[0]
+            rows = torch.arange(out_f)[:, None]
+            wpos = starts[id(w)] + rows * in_f + torch.arange(in_f)[None, :]
+            bpos = starts[id(lay.bias)] + rows
+            index = torch.cat([wpos, bpos], 1).reshape(-1)  # row-major vec [W | b]
+            names = (pnames[id(w)], pnames[id(lay.bias)])
+            blocks.append(KronBlock(lay.name, names, index, G=g, A=a, augmented=True))
+            continue
+        blocks.append(KronBlock(lay.name, (pnames[id(w)],), span(w), G=g, A=a))
+        if lay.bias is not None:
+            blocks.append(KronBlock(lay.name, (pnames[id(lay.bias)],), span(lay.bias), G=g.clone()))
+    for module, names in diagonal.items():
+        if not names:
+            continue
+        names = sorted(names, key=lambda nm: starts[id(named[nm])])
+        index = torch.cat([span(named[nm]) for nm in names])
+        diag = torch.cat([diag_sums[nm].reshape(-1) for nm in names]).to(dtype)
+        blocks.append(KronBlock(module, tuple(names), index, diagonal=diag))
+    blocks.sort(key=lambda b: int(b.index.min()))
+    return KronFactors(blocks, count, offset, fisher, conv, bias)

@@ -1,0 +1,560 @@
+"""`curvature.kfac`: K-FAC factors of the GGN against brute-force GGNs, laplace-torch's ``Kron``
+(BackPack and curvlinops backends), Monte Carlo and itself.
+
+Tolerances (float64): exactness against a brute-force GGN (dense Jacobians from
+``torch.autograd.functional.jacobian``) 1e-10 relative to the block's largest entry; laplace-torch
+1e-8 relative (an independent implementation, sums in another order); chunkings and data
+sources 1e-12; the Monte Carlo Fisher within 5 standard errors of the exact factor, the standard
+error estimated from the draws themselves (a 5σ miss of one of the ~100 entries has probability
+below 1e-4).
+"""
+
+import copy
+import itertools
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from pyro_subspace import likelihoods
+from pyro_subspace.curvature import KronFactors, kfac
+from pyro_subspace.flat import FlatNet
+
+F64 = torch.float64
+
+
+def mlp(sizes, act=nn.Tanh, seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        layers.append(nn.Linear(a, b))
+        if i < len(sizes) - 2:
+            layers.append(act())
+    return nn.Sequential(*layers).double()
+
+
+def cnn(seed=0, classes=3):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, classes)
+    ).double()
+
+
+def exact_ggn(net, lik, x):
+    """Brute force ``Σ_n J_nᵀ H_n J_n`` ``(D, D)`` from dense per-point Jacobians."""
+    flat = FlatNet(net)
+    w = flat.vector()
+
+    def f(v):
+        return flat(v, x).reshape(x.shape[0], -1)
+
+    jac = torch.autograd.functional.jacobian(f, w)  # shape: (N, O, D)
+    with torch.no_grad():
+        h = lik.output_hessian(f(w))
+    return torch.einsum("nod,nop,npe->de", jac, h, jac)
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def block_of(full, block):
+    idx = block.index.to(full.device)
+    return full[idx[:, None], idx[None, :]]
+
+
+# ------------------------------------------------------------------ 1. exactness
+
+
+@pytest.mark.parametrize("bias", ["separate", "augment"])
+@pytest.mark.parametrize("lik_name", ["gaussian", "categorical"])
+def test_one_point_each_linear_block_is_the_exact_ggn_block(device, lik_name, bias):
+    """With one data point ``J_W = g aᵀ`` per column, so ``G ⊗ A`` is exact."""
+    net = mlp([4, 6, 5, 3]).to(device)
+    lik = likelihoods.Gaussian(sigma=torch.tensor([0.5, 1.0, 2.0], dtype=F64)) if (
+        lik_name == "gaussian"
+    ) else likelihoods.Categorical()  # fmt: skip
+    lik = lik.to(device)
+    x = torch.randn(1, 4, dtype=F64, generator=torch.Generator().manual_seed(1)).to(device)
+    factors = kfac(net, lik, x, bias=bias)
+    exact = exact_ggn(net, lik, x)
+    kinds = {"separate": ["kron", "full"] * 3, "augment": ["kron"] * 3}[bias]
+    assert [b.kind for b in factors.blocks] == kinds
+    for b in factors.blocks:
+        assert b.G.device.type == device.type
+        assert rel(b.to_dense(), block_of(exact, b)) < 1e-10, (b.module, b.params)
+    assert torch.equal(factors.index.cpu(), torch.arange(exact.shape[0]))
+
+
+@pytest.mark.parametrize("sigma", [1.0, 0.3])
+def test_linear_model_gaussian_is_exact_on_many_points(device, sigma):
+    """One Linear layer, Gaussian likelihood: ``G = N I/σ²``, ``A = Σ a aᵀ/N``, so
+    ``G ⊗ A = I/σ² ⊗ Σ a aᵀ``: the exact GGN; augmented, with the weight-bias cross terms."""
+    torch.manual_seed(0)
+    net = nn.Linear(5, 3).double().to(device)
+    lik = likelihoods.Gaussian(sigma=sigma).to(device)
+    x = torch.randn(30, 5, dtype=F64).to(device)
+    exact = exact_ggn(net, lik, x)
+    aug = kfac(net, lik, x, bias="augment")
+    assert len(aug.blocks) == 1 and aug.blocks[0].augmented
+    assert rel(aug.to_dense(), exact) < 1e-10
+    sep = kfac(net, lik, x)
+    for b in sep.blocks:
+        assert rel(b.to_dense(), block_of(exact, b)) < 1e-10
+    # the separate blocks leave out exactly the weight-bias cross terms
+    mask = torch.zeros_like(exact, dtype=torch.bool)
+    for b in sep.blocks:
+        idx = b.index.to(device)
+        mask[idx[:, None], idx[None, :]] = True
+    assert rel(sep.to_dense(), torch.where(mask, exact, 0)) < 1e-10
+
+
+@pytest.mark.parametrize("conv", ["expand", "reduce", "backpack"])
+def test_conv_without_weight_sharing_is_exact_on_one_point(device, conv):
+    """A kernel as large as the image has one location (``R = 1``): every convention is the
+    exact GGN block on one point, which also checks the unfolding's column order."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 3, 4), nn.Tanh(), nn.Flatten(), nn.Linear(3, 2)).double()
+    net = net.to(device)
+    lik = likelihoods.Categorical()
+    x = torch.randn(1, 2, 4, 4, dtype=F64).to(device)
+    exact = exact_ggn(net, lik, x)
+    for bias in ("separate", "augment"):
+        factors = kfac(net, lik, x, conv=conv, bias=bias)
+        for b in factors.blocks:
+            assert rel(b.to_dense(), block_of(exact, b)) < 1e-10, (conv, bias, b.params)
+
+
+# ------------------------------------------------------------------ 2. laplace-torch
+
+
+def _problem(kind):
+    gen = torch.Generator().manual_seed(3)
+    n = 23
+    if kind == "mlp-regression":
+        x = torch.randn(n, 4, generator=gen, dtype=F64)
+        return mlp([4, 8, 2]), x, torch.randn(n, 2, generator=gen, dtype=F64), "regression"
+    if kind == "mlp-classification":
+        x = torch.randn(n, 4, generator=gen, dtype=F64)
+        y = torch.randint(0, 3, (n,), generator=gen)
+        return mlp([4, 8, 3], nn.ReLU), x, y, "classification"
+    x = torch.randn(n, 1, 8, 8, generator=gen, dtype=F64)
+    return cnn(), x, torch.randint(0, 3, (n,), generator=gen), "classification"
+
+
+LAPLACE_CASES = [
+    ("mlp-regression", "BackPackGGN", None, "expand"),
+    ("mlp-regression", "CurvlinopsGGN", None, "expand"),
+    ("mlp-classification", "BackPackGGN", None, "expand"),
+    ("mlp-classification", "CurvlinopsGGN", None, "reduce"),  # no weight sharing: all equal
+    ("cnn", "BackPackGGN", None, "backpack"),
+    ("cnn", "CurvlinopsGGN", "expand", "expand"),
+    ("cnn", "CurvlinopsGGN", "reduce", "reduce"),
+]
+
+
+def _laplace_kron(kind, backend_name, approx, batch_size, sigma):
+    laplace = pytest.importorskip("laplace", reason="laplace-torch is a comparison only")
+    from laplace import curvature
+
+    net, x, y, task = _problem(kind)
+    la = laplace.KronLaplace(
+        copy.deepcopy(net),  # BackPack extends (hooks) the model it is given
+        task,
+        sigma_noise=sigma if task == "regression" else 1.0,
+        backend=getattr(curvature, backend_name),
+        asdl_fisher_kwargs=None if approx is None else {"kfac_approx": approx},
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # BackPack's and curvlinops' full-backward-hook notes
+        la.fit(DataLoader(TensorDataset(x, y), batch_size=batch_size))
+    # laplace-torch's H leaves out 1/σ² (KronLaplace multiplies it in: _H_factor)
+    scale = 1.0 / sigma**2 if task == "regression" else 1.0
+    return net, x, task, la.H_facs.kfacs, scale
+
+
+@pytest.mark.parametrize(
+    "kind, backend, approx, conv",
+    LAPLACE_CASES,
+    ids=[f"{k}-{b}{'-' + a if a else ''}-{c}" for k, b, a, c in LAPLACE_CASES],
+)
+def test_matches_laplace_torch_kron(kind, backend, approx, conv):
+    sigma = 0.7
+    net, x, task, theirs, scale = _laplace_kron(kind, backend, approx, 23, sigma)
+    assert x.shape[0] == 23  # one DataLoader batch of all N points
+    # σ as a float64 tensor: a Python float is stored in torch's default dtype (float32)
+    sigma64 = torch.tensor(sigma, dtype=F64)
+    lik = likelihoods.Gaussian(sigma=sigma64) if task == "regression" else likelihoods.Categorical()
+    ours = kfac(net, lik, x, conv=conv)
+    assert len(ours.blocks) == len(theirs)  # weight [G, A] and bias [G] per layer, in order
+    for b, facs in zip(ours.blocks, theirs):
+        if len(facs) == 2:
+            assert b.kind == "kron"
+            want = torch.kron(facs[0], facs[1]) * scale
+            # eigenvalues of a Kronecker product: all products of the factors' eigenvalues (the
+            # split of a scalar between the factors differs: laplace-torch's 0.5 for MSE)
+            mine = torch.outer(torch.linalg.eigvalsh(b.G), torch.linalg.eigvalsh(b.A))
+            theirs_eig = torch.outer(
+                torch.linalg.eigvalsh(facs[0]), torch.linalg.eigvalsh(facs[1])
+            ) * scale  # fmt: skip
+            assert rel(mine.reshape(-1).sort().values, theirs_eig.reshape(-1).sort().values) < 1e-8
+        else:
+            assert b.kind == "full"
+            want = facs[0] * scale
+        assert rel(b.to_dense(), want) < 1e-8, (b.params, backend, conv)
+
+
+def test_laplace_torch_batched_fit_equals_the_full_data_factors():
+    """laplace-torch adds ``G_b`` and ``A_b·M_b/N`` batch by batch, factor by factor: for the
+    type-2 Fisher that IS the full-data K-FAC (here batches of 5, 5, ..., 3 rows)."""
+    net, x, _, theirs, _ = _laplace_kron("cnn", "CurvlinopsGGN", None, 5, 1.0)
+    ours = kfac(net, likelihoods.Categorical(), x, conv="expand")
+    for b, facs in zip(ours.blocks, theirs):
+        want = torch.kron(facs[0], facs[1]) if len(facs) == 2 else facs[0]
+        assert rel(b.to_dense(), want) < 1e-8
+
+
+def test_the_three_conventions_differ_on_a_convolution():
+    """With weight sharing ``"backpack"`` is ``R`` times ``"expand"``'s ``A`` with
+    ``"reduce"``'s ``G``; the three blocks differ (and coincide for the Linear layer)."""
+    net, x, _, _ = _problem("cnn")
+    lik = likelihoods.Categorical()
+    f = {c: kfac(net, lik, x, conv=c) for c in ("expand", "reduce", "backpack")}
+    r = 36  # 6 x 6 output locations
+    torch.testing.assert_close(f["backpack"].blocks[0].A, r * f["expand"].blocks[0].A)
+    torch.testing.assert_close(f["backpack"].blocks[0].G, f["reduce"].blocks[0].G)
+    assert rel(f["expand"].blocks[0].to_dense(), f["reduce"].blocks[0].to_dense()) > 1e-3
+    for c in ("reduce", "backpack"):  # the Linear layer after the convolution
+        for i in (2, 3):
+            torch.testing.assert_close(f[c].blocks[i].to_dense(), f["expand"].blocks[i].to_dense())
+
+
+class _MeanOverTokens(nn.Module):
+    def forward(self, h):
+        return h.mean(1)
+
+
+def _sharing_nets():
+    """A Linear on token inputs ``(N, T, in)`` (``R = T``) and strided, padded and dilated
+    convolutions (``R`` > 1, zero padding)."""
+    gen = torch.Generator().manual_seed(6)
+    torch.manual_seed(0)
+    tokens = nn.Sequential(
+        nn.Linear(4, 5), nn.Tanh(), _MeanOverTokens(), nn.Linear(5, 3)
+    ).double()  # fmt: skip
+    conv = nn.Sequential(
+        nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.Tanh(),
+        nn.Conv2d(3, 4, 2, dilation=2, padding=1, bias=False), nn.Tanh(),
+        nn.Flatten(), nn.LazyLinear(3),
+    ).double()  # fmt: skip
+    xc = torch.randn(9, 2, 9, 9, generator=gen, dtype=F64)
+    conv(xc)  # materialise the lazy layer
+    return {
+        "tokens": (tokens, torch.randn(9, 6, 4, generator=gen, dtype=F64)),
+        "strided-conv": (conv, xc),
+    }
+
+
+@pytest.mark.parametrize("conv", ["expand", "reduce"])
+@pytest.mark.parametrize("kind", ["tokens", "strided-conv"])
+def test_weight_sharing_matches_curvlinops(kind, conv):
+    """Eschenhagen et al.'s two K-FACs against curvlinops' ``KFACLinearOperator`` directly
+    (type-2, ``CrossEntropyLoss(reduction="sum")``): its input and gradient covariances are our
+    ``A`` and ``G`` factor by factor."""
+    curvlinops = pytest.importorskip("curvlinops", reason="a comparison only")
+    net, x = _sharing_nets()[kind]
+    y = torch.zeros(len(x), dtype=torch.long)
+    for bias in ("separate", "augment"):
+        op = curvlinops.KFACLinearOperator(
+            net, nn.CrossEntropyLoss(reduction="sum"), list(net.parameters()), [(x, y)],
+            fisher_type="type-2", kfac_approx=conv, check_deterministic=False,
+            separate_weight_and_bias=bias == "separate",
+        )  # fmt: skip
+        op.compute_kronecker_factors()
+        ours = kfac(net, likelihoods.Categorical(), x, conv=conv, bias=bias, chunk_size=4)
+        kron = [b for b in ours.blocks if b.kind == "kron"]
+        names = [b.module for b in kron]
+        assert names == list(op._input_covariances), names
+        for b in kron:
+            torch.testing.assert_close(b.A, op._input_covariances[b.module], rtol=1e-10, atol=0)
+            torch.testing.assert_close(
+                b.G, op._gradient_covariances[b.module], rtol=1e-10, atol=1e-14
+            )
+
+
+def test_circular_and_same_padding_equal_padding_the_input_first():
+    """``padding_mode="circular"`` and ``padding="same"`` are unfolded like the padded input."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(7, 2, 6, 6, generator=gen, dtype=F64)
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, 3, padding="same", padding_mode="circular").double()
+    head = nn.Sequential(nn.Tanh(), nn.Flatten(), nn.Linear(3 * 36, 4)).double()
+    plain = nn.Conv2d(2, 3, 3).double()
+    plain.load_state_dict(conv.state_dict())
+    padded = torch.nn.functional.pad(x, (1, 1, 1, 1), mode="circular")
+    lik = likelihoods.Categorical()
+    for c in ("expand", "reduce", "backpack"):
+        got = kfac(nn.Sequential(conv, head), lik, x, conv=c)
+        want = kfac(nn.Sequential(plain, head), lik, padded, conv=c)
+        for b, w in zip(got.blocks, want.blocks):
+            torch.testing.assert_close(b.to_dense(), w.to_dense(), rtol=1e-12, atol=1e-15)
+
+
+# ------------------------------------------------------------------ 3. Monte Carlo
+
+
+MC_LIKELIHOODS = {
+    "categorical": (likelihoods.Categorical, 4),
+    "gaussian": (lambda: likelihoods.Gaussian(torch.tensor(0.8, dtype=F64)), 4),
+    "heteroscedastic": (lambda: likelihoods.Gaussian(heteroscedastic=True), 2),
+    "bernoulli": (likelihoods.Bernoulli, 1),
+}
+
+
+@pytest.mark.parametrize("lik_name", list(MC_LIKELIHOODS))
+def test_mc_fisher_is_unbiased(lik_name):
+    """The mean of ``K = 250`` independent MC factors ``G`` (each of ``M = 8`` draws per point:
+    2000 draws) is within 5 standard errors (estimated from the ``K`` values) of the exact
+    ``G``; ``A`` does not depend on the draws. The scores' outer products average to the
+    Fisher, which is each likelihood's ``H`` (the heteroscedastic Gaussian's is its Fisher)."""
+    make, outputs = MC_LIKELIHOODS[lik_name]
+    net = mlp([3, 5, outputs])
+    lik = make()
+    x = torch.randn(6, 3, dtype=F64, generator=torch.Generator().manual_seed(2))
+    exact = kfac(net, lik, x)
+    gen = torch.Generator().manual_seed(123)
+    draws = [kfac(net, lik, x, fisher="mc", mc_samples=8, generator=gen) for _ in range(250)]
+    for i, b in enumerate(exact.blocks):
+        gs = torch.stack([d.blocks[i].G for d in draws])  # shape: (K, q, q)
+        se = gs.std(0) / len(draws) ** 0.5
+        err = (gs.mean(0) - b.G).abs()
+        assert (err <= 5 * se + 1e-12 * b.G.abs().max()).all(), (i, float((err / se).max()))
+        assert (se > 0).any()
+        if b.A is not None:
+            torch.testing.assert_close(draws[0].blocks[i].A, b.A, rtol=1e-12, atol=0)
+
+
+def test_mc_is_reproducible_and_leaves_the_global_generators_alone():
+    net = mlp([3, 5, 4])
+    x = torch.randn(9, 3, dtype=F64)
+    lik = likelihoods.Categorical()
+    before = torch.get_rng_state()
+    a = kfac(net, lik, x, fisher="mc", generator=7).to_dense()
+    b = kfac(net, lik, x, fisher="mc", generator=torch.Generator().manual_seed(7)).to_dense()
+    c = kfac(net, lik, x, fisher="mc", generator=8).to_dense()
+    d = kfac(net, lik, x, fisher="mc").to_dense()  # the default seeded generator
+    e = kfac(net, lik, x, fisher="mc").to_dense()
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(a, b) and torch.equal(d, e) and not torch.equal(a, c)
+
+
+# ------------------------------------------------------------------ 4. the contract
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "batchnorm"])
+def test_chunk_size_and_data_source_do_not_matter(device, kind):
+    gen = torch.Generator().manual_seed(4)
+    if kind == "cnn":
+        net, x = cnn(), torch.randn(17, 1, 8, 8, generator=gen, dtype=F64)
+    elif kind == "batchnorm":
+        net, x = _bn_net(), torch.randn(17, 4, generator=gen, dtype=F64)
+    else:
+        net, x = mlp([4, 7, 3]), torch.randn(17, 4, generator=gen, dtype=F64)
+    net, x = net.to(device), x.to(device)
+    y = torch.zeros(17, dtype=torch.long)
+    lik = likelihoods.Categorical()
+    for conv in ("expand", "reduce") if kind == "cnn" else ("expand",):
+        want = kfac(net, lik, x, conv=conv, chunk_size=17).to_dense()
+        for got in (
+            kfac(net, lik, x, conv=conv, chunk_size=1),
+            kfac(net, lik, x, conv=conv, chunk_size=7),
+            kfac(net, lik, TensorDataset(x.cpu(), y), conv=conv, chunk_size=5),
+            kfac(net, lik, DataLoader(TensorDataset(x.cpu(), y), batch_size=6), conv=conv),
+        ):
+            assert got.num_data == 17
+            assert rel(got.to_dense(), want) < 1e-12
+
+
+def _bn_net():
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3)
+    ).double()  # fmt: skip
+    with torch.no_grad():  # non-trivial running statistics and affine parameters
+        net[1].running_mean.uniform_(-0.5, 0.5)
+        net[1].running_var.uniform_(0.5, 2.0)
+        net[1].weight.uniform_(0.5, 1.5)
+        net[1].bias.uniform_(-0.5, 0.5)
+    return net.eval()
+
+
+def test_batchnorm_parameters_get_the_exact_ggn_diagonal(device):
+    net = _bn_net().to(device)
+    lik = likelihoods.Categorical()
+    x = torch.randn(11, 4, dtype=F64, generator=torch.Generator().manual_seed(5)).to(device)
+    factors = kfac(net, lik, x, chunk_size=4)
+    kinds = [(b.module, b.kind) for b in factors.blocks]
+    assert kinds == [("0", "kron"), ("0", "full"), ("1", "diagonal"), ("3", "kron"), ("3", "full")]
+    bn = factors.blocks[2]
+    assert bn.params == ("1.weight", "1.bias")
+    exact = exact_ggn(net, lik, x)
+    assert rel(bn.diagonal, block_of(exact, bn).diagonal()) < 1e-10
+    assert torch.equal(factors.index.cpu(), torch.arange(exact.shape[0]))
+    # the Kronecker blocks do not depend on whether the BatchNorm is covered
+    last = kfac(net, lik, x, modules=[net[3]])
+    assert [b.params for b in last.blocks] == [("3.weight",), ("3.bias",)]
+    for b, full in zip(last.blocks, factors.blocks[3:]):
+        torch.testing.assert_close(b.to_dense(), full.to_dense(), rtol=1e-12, atol=0)
+    # diag() is the diagonal of to_dense(), without forming it
+    torch.testing.assert_close(factors.diag(), factors.to_dense().diagonal(), rtol=0, atol=0)
+
+
+def test_modules_by_name_and_frozen_parameters():
+    net = mlp([3, 4, 2])
+    net[0].bias.requires_grad_(False)
+    x = torch.randn(5, 3, dtype=F64)
+    lik = likelihoods.Categorical()
+    factors = kfac(net, lik, x, modules=["0", "2"])
+    assert [b.params for b in factors.blocks] == [("0.weight",), ("2.weight",), ("2.bias",)]
+    assert factors.index.tolist() == list(range(12)) + list(range(16, 26))
+    assert isinstance(factors, KronFactors) and factors.num_weights == 26
+
+
+def test_a_layer_called_twice_gets_the_exact_diagonal():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.out = nn.Linear(3, 3), nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.inner(torch.tanh(self.inner(x)))))
+
+    torch.manual_seed(0)
+    net = Twice().double()
+    x = torch.randn(8, 3, dtype=F64)
+    lik = likelihoods.Categorical()
+    with pytest.warns(UserWarning, match="'inner' gets the exact GGN diagonal"):
+        factors = kfac(net, lik, x, chunk_size=3)
+    assert [b.kind for b in factors.blocks] == ["diagonal", "kron", "full"]
+    exact = exact_ggn(net, lik, x)
+    assert rel(factors.blocks[0].diagonal, block_of(exact, factors.blocks[0]).diagonal()) < 1e-10
+
+
+def test_float32_network_gives_float32_factors():
+    net64 = mlp([4, 6, 3])
+    x = torch.randn(40, 4, dtype=F64)
+    lik = likelihoods.Categorical()
+    want = kfac(net64, lik, x).to_dense()
+    got = kfac(copy.deepcopy(net64).float(), lik, x.float())
+    assert got.blocks[0].G.dtype == torch.float32
+    assert rel(got.to_dense().double(), want) < 1e-5
+    assert kfac(copy.deepcopy(net64).float(), lik, x.float(), dtype=F64).blocks[0].A.dtype == F64
+
+
+def test_the_global_generator_is_untouched():
+    net = mlp([4, 6, 3])
+    x = torch.randn(12, 4, dtype=F64)
+    y = torch.randint(0, 3, (12,))
+    before = torch.get_rng_state()
+    kfac(net, likelihoods.Categorical(), x)
+    kfac(
+        net, likelihoods.Categorical(), DataLoader(TensorDataset(x, y), batch_size=5, shuffle=True)
+    )
+    kfac(net, likelihoods.Categorical(), x, fisher="mc", mc_samples=3)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+class _Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2).double()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x)
+
+
+BAD = [
+    ({"net": "not a net"}, TypeError, "net"),
+    ({"likelihood": "classification"}, TypeError, "likelihood"),
+    ({"x": [[1.0, 2.0, 3.0]]}, TypeError, "x"),
+    ({"x": torch.full((4, 3), float("nan"), dtype=F64)}, ValueError, "x"),
+    ({"x": torch.randn(0, 3, dtype=F64)}, ValueError, "x"),
+    ({"y": torch.zeros(3)}, ValueError, "y"),
+    ({"fisher": "empirical"}, ValueError, "fisher"),
+    ({"conv": "mean"}, ValueError, "conv"),
+    ({"bias": "drop"}, ValueError, "bias"),
+    ({"chunk_size": 0}, ValueError, "chunk_size"),
+    ({"mc_samples": 0, "fisher": "mc"}, ValueError, "mc_samples"),
+    ({"mc_samples": 3}, ValueError, "mc_samples"),
+    ({"fisher": "mc", "generator": "seed"}, TypeError, "generator"),
+    ({"modules": [nn.Linear(3, 2)]}, ValueError, "modules"),
+    ({"modules": ["nope"]}, ValueError, "modules"),
+    ({"modules": []}, ValueError, "modules"),
+    ({"dtype": torch.int64}, TypeError, "dtype"),
+]
+
+
+@pytest.mark.parametrize(
+    "change, error, name", BAD, ids=[f"{n}-{i}" for i, (_, _, n) in enumerate(BAD)]
+)
+def test_bad_arguments_are_named_before_any_work(change, error, name):
+    net = _Counting()
+    args = {"net": net, "likelihood": likelihoods.Categorical(), "x": torch.randn(4, 3, dtype=F64)}
+    args.update(change)
+    kwargs = {k: v for k, v in args.items() if k not in ("net", "likelihood", "x", "y")}
+    with pytest.raises(error, match=f"^{name}:"):
+        kfac(args["net"], args["likelihood"], args["x"], args.get("y"), **kwargs)
+    assert net.calls == 0
+
+
+def test_frozen_network_has_nothing_to_cover():
+    net = mlp([3, 2]).requires_grad_(False)
+    with pytest.raises(ValueError, match="^modules: no parameters"):
+        kfac(net, likelihoods.Categorical(), torch.randn(2, 3, dtype=F64))
+
+
+# ------------------------------------------------------------------ torch.distributed
+
+
+def _distributed_job(rank):
+    from pyro_subspace.distributed import shard
+
+    net, x, lik = _distributed_problem()
+    data = TensorDataset(x, torch.zeros(len(x)))
+    from torch.utils.data.distributed import DistributedSampler
+
+    loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=False))
+    return {
+        "tensor": kfac(net, lik, shard(x), chunk_size=5, conv="reduce").to_dense(),
+        "loader": kfac(net, lik, loader, conv="reduce").to_dense(),
+        "n": torch.tensor(kfac(net, lik, shard(x)).num_data),
+    }
+
+
+def _distributed_problem():
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)  # the same initial weights in every process
+    net = nn.Sequential(
+        nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 16, 3)
+    ).double().eval()  # fmt: skip
+    return net, torch.randn(24, 1, 6, 6, generator=gen, dtype=F64), likelihoods.Categorical()
+
+
+def test_two_ranks_equal_one_process(tmp_path):
+    from test_distributed import join_distributed, start_distributed
+
+    path = tmp_path / "rank0.pt"
+    ctx = start_distributed(path, job=_distributed_job)
+    try:
+        net, x, lik = _distributed_problem()
+        want = kfac(net, lik, x, conv="reduce").to_dense()
+    finally:
+        join_distributed(ctx)
+    got = torch.load(path, weights_only=True)
+    assert int(got["n"]) == 24
+    assert rel(got["tensor"], want) < 1e-10
+    assert rel(got["loader"], want) < 1e-10
