@@ -38,7 +38,7 @@ Conventions (identical for both libraries):
   otherwise defers to the first prediction), so both sides end with ``Σ``. Ours, with fewer
   GGN rows ``r = N·O`` than ``K`` (diabetes: 397 < 1000), forms ``Σ`` from the rows by
   Woodbury's identity and leaves the ``K × K`` GGN, precision and factor to first use
-  (`infer.laplace.deferred`); the agreement check reads the precision, which forms it. With
+  (`infer.laplace.posteriors.full`); the agreement check reads the precision, which forms it. With
   ``r > 2K/3`` (digits) it forms all four in the fit. Classification rows are ``N·(C−1)``
   (the softmax Hessian's rank).
 

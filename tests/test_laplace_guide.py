@@ -59,7 +59,7 @@ def test_diagonal_laplace_is_the_diag_structure_on_all_weights():
     front = Laplace(net, likelihoods.Categorical(), "all", "diag", prior_precision=3.0).fit(
         x, find_map=False
     )
-    assert torch.equal(diag.variance, front.covariance)
+    assert torch.equal(diag.variance, front.covariance.diagonal())
     assert diag.variance.shape == (sum(p.numel() for p in net.parameters()),)
 
 
@@ -156,3 +156,55 @@ def test_isotropic_full_evidence_from_eigenvalues_equals_the_dense_log_determina
                  + (d * math.log(lam) - torch.logdet(post)) / 2)  # fmt: skip
         fast = guide.log_marginal_likelihood(lam, sigma)
         assert torch.allclose(fast, dense, rtol=1e-12, atol=0)
+
+
+def _packed(diag, basis, weights):
+    """The former low-rank buffer layout ``[[w, 0], [M, δ]]`` ``(K+1, k+1)``."""
+    top = torch.cat([weights, weights.new_zeros(1)])[None]
+    return torch.cat([top, torch.cat([basis, diag[:, None]], 1)], 0)
+
+
+def _legacy_state(guide) -> dict:
+    """The guide's state as saved before guides held a `Posterior`: the curvature and ``Σ`` in
+    the guide's own buffers ``ggn``, ``precision``, ``covariance``, ``scale_tril`` (dense for
+    full, ``(K,)`` for diag, packed for lowrank), no ``posterior.*`` keys."""
+    state = {k: v.clone() for k, v in guide.state_dict().items() if not k.startswith("posterior.")}
+    post = guide.posterior
+    if guide.hessian_structure == "full":
+        old = {"ggn": post.ggn, "precision": post.precision_matrix,
+               "covariance": post.covariance_matrix, "scale_tril": post.scale_tril}  # fmt: skip
+    elif guide.hessian_structure == "diag":
+        old = {"ggn": post.ggn_diagonal, "precision": post.precision_diagonal,
+               "covariance": post.variance, "scale_tril": post.variance.sqrt()}  # fmt: skip
+    else:
+        u, l, t = post.eigenvectors, post.eigenvalues, float(post.temperature)
+        d, q, c = post.scale, post.factor_basis, post.factor_weights
+        old = {
+            "ggn": _packed(torch.zeros_like(d), u, l),
+            "precision": _packed(post.prior_diagonal, u, l / t),
+            "covariance": _packed(d.square(), d[:, None] * q, c * (2 + c)),
+            "scale_tril": _packed(d, q, c),
+        }
+    state.update({k: v.clone() for k, v in old.items()})
+    return state
+
+
+@pytest.mark.parametrize("structure", ["full", "diag", "lowrank"])
+def test_a_guide_state_saved_before_guides_held_a_posterior_loads(structure):
+    """The former buffer names (and the low-rank structure's packed layout) map onto the
+    posterior's: the loaded guide predicts, draws and scores the evidence as the saved one."""
+    net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(40, 3, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 2, (40,), generator=gen)
+    kw = {"rank": 4} if structure == "lowrank" else {}
+    la = Laplace(net, likelihoods.Categorical(), "all", structure, 0.8, **kw).fit(x, y)
+    state = _legacy_state(la.guide)
+    fresh = Laplace(net, likelihoods.Categorical(), "all", structure, 0.8, **kw)
+    fresh.model.load_state_dict(la.model.state_dict())
+    fresh.guide.load_state_dict(state)
+    torch.testing.assert_close(fresh.guide.covariance, la.guide.covariance, rtol=0, atol=0)
+    torch.testing.assert_close(fresh.predict(x).probs, la.predict(x).probs, rtol=0, atol=0)
+    assert float(fresh.log_marginal_likelihood()) == float(la.log_marginal_likelihood())
+    g = lambda: torch.Generator().manual_seed(1)  # noqa: E731
+    assert torch.equal(fresh.guide.draw_latent(3, g()), la.guide.draw_latent(3, g()))

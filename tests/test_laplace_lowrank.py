@@ -18,7 +18,6 @@ from pyro_subspace import FlatNet, likelihoods
 from pyro_subspace.flat import eval_mode
 from pyro_subspace.infer import AutoSubspaceLaplace, Laplace
 from pyro_subspace.infer.laplace import linearized_moments
-from pyro_subspace.infer.laplace.lowrank import dense, unpack
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,8 +48,8 @@ def test_full_rank_equals_the_full_structure():
     k = full.model.rank
     low, _, _ = fit("lowrank", rank=k, find_map=True)
     assert torch.allclose(low.loc, full.loc, rtol=0, atol=1e-12)
-    assert torch.allclose(dense(low.precision), full.precision, rtol=1e-10, atol=1e-10)
-    assert torch.allclose(dense(low.covariance), full.covariance, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(low.precision, full.precision, rtol=1e-10, atol=1e-10)
+    assert torch.allclose(low.covariance, full.covariance, rtol=1e-10, atol=1e-12)
     assert float(low.log_marginal_likelihood()) == pytest.approx(
         float(full.log_marginal_likelihood()), rel=1e-10
     )
@@ -68,13 +67,13 @@ def test_full_rank_equals_the_full_structure():
 def test_low_rank_is_the_dense_formula_of_its_own_eigenpairs(rank):
     la, x, y = fit("lowrank", rank=rank)
     k, lam, temp = la.model.rank, 1.5, la.temperature
-    assert la.structure.lanczos_iterations(k) < k  # the eigenpairs come from Lanczos
-    _, u, l = unpack(la.ggn)
+    assert la.posterior.lanczos_iterations(k) < k  # the eigenpairs come from Lanczos
+    u, l = la.posterior.eigenvectors, la.posterior.eigenvalues
     assert u.shape == (k, rank) and l.shape == (rank,)
     precision = u @ torch.diag(l / temp) @ u.T + lam * torch.eye(k, dtype=torch.float64)
     sigma = torch.linalg.inv(precision)
-    assert torch.allclose(dense(la.precision), precision, rtol=1e-12, atol=1e-12)
-    assert torch.allclose(dense(la.covariance), sigma, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(la.precision, precision, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(la.covariance, sigma, rtol=1e-10, atol=1e-12)
     jac = dense_jacobian(la, x[:10])
     _, f_cov = linearized_moments(la, x[:10])
     assert torch.allclose(f_cov, jac @ sigma @ jac.mT, rtol=1e-10, atol=1e-12)
@@ -90,7 +89,7 @@ def test_lanczos_eigenpairs_are_the_top_of_the_dense_ggn():
     full, _, _ = fit("full")
     values, vectors = torch.linalg.eigh(full.ggn)
     low, _, _ = fit("lowrank", rank=4)
-    _, u, l = unpack(low.ggn)
+    u, l = low.posterior.eigenvectors, low.posterior.eigenvalues
     top = values.flip(0)[:4]
     # Lanczos stops at relative β < 1e-6 (curvature.lanczos): allow that relative error
     assert torch.allclose(l, top, rtol=1e-6, atol=1e-6 * float(top[0]))
@@ -127,7 +126,7 @@ def test_noise_scale_retuning_equals_a_refit_at_that_noise():
     )
     b2.fit(x, y, find_map=False)
     # σ is held in float32 (rounding 6e-8 relative, 1.2e-7 in σ²)
-    assert torch.allclose(unpack(a.ggn)[2], unpack(b2.ggn)[2], rtol=1e-6)
+    assert torch.allclose(a.posterior.eigenvalues, b2.posterior.eigenvalues, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -150,7 +149,7 @@ def test_bad_structure_arguments_fail_early(kwargs, match):
 def test_default_rank_and_the_guide_constructor():
     net, _, _ = classifier()
     la = Laplace(net, likelihoods.Categorical(), "all", "lowrank")
-    assert la.structure.rank == 10 and la.covariance.shape == (39, 11)
+    assert la.posterior.rank == 10 and la.posterior.eigenvectors.shape == (38, 10)
     with pytest.raises(ValueError, match="rank: only used with"):
         AutoSubspaceLaplace(la.model, hessian_structure="diag", rank=2)
 
@@ -158,7 +157,6 @@ def test_default_rank_and_the_guide_constructor():
 def test_the_map_search_step_is_sigma_times_the_gradient_without_a_dense_ggn(monkeypatch):
     """The last Gauss–Newton step of the MAP search uses the low-rank ``Σ`` (Woodbury): the
     dense ``PᵀGP`` (`Evaluator.ggn`) is never formed when Lanczos applies."""
-    from pyro_subspace.infer.laplace.guide import FullPrior
     from pyro_subspace.nn.evaluator import Evaluator
 
     la, x, y = fit("lowrank", rank=4)
@@ -169,8 +167,8 @@ def test_the_map_search_step_is_sigma_times_the_gradient_without_a_dense_ggn(mon
         raise AssertionError("the dense GGN was formed")
 
     monkeypatch.setattr(Evaluator, "ggn", no_dense_ggn)
-    step = la.structure.newton_step(ev, la.loc, grad, FullPrior(la))
-    _, u, l = unpack(la.ggn)
+    step = la.posterior.newton_step(ev, la.loc, grad, la.guide.prior())
+    u, l = la.posterior.eigenvectors, la.posterior.eigenvalues
     precision = u @ torch.diag(l / la.temperature) @ u.T + 1.5 * torch.eye(la.model.rank).double()
     assert torch.allclose(step, torch.linalg.solve(precision, grad), rtol=1e-10, atol=1e-13)
     net, _, _ = classifier()

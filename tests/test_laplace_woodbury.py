@@ -59,7 +59,7 @@ def test_woodbury_posterior_equals_the_dense_inverse(lik, n, diagonal_prior, tem
     lam = torch.linspace(0.5, 3.0, K, dtype=torch.float64) if diagonal_prior else 2.0
     la, x, y = make_guide(lik, n, lam, temperature)
     la.fit(x, y, find_map=False)
-    assert la.__dict__["_pending"] == {"ggn", "precision", "scale_tril"}  # Woodbury's route
+    assert la.posterior.pending == {"ggn", "precision_matrix", "scale_tril"}  # Woodbury's route
     want = dense_covariance(la, lam)
     assert rel(la.covariance, want) < 1e-11
     assert torch.equal(la.covariance, la.covariance.T)
@@ -69,7 +69,7 @@ def test_woodbury_posterior_equals_the_dense_inverse(lik, n, diagonal_prior, tem
     assert rel(la.precision, la.ggn / la.temperature + prior) < 1e-14
     # the linearised predictive uses Σ itself while the factor is not formed
     _, f_cov = linearized_moments(la, x[:6])
-    assert "scale_tril" in la.__dict__["_pending"]  # the moments formed no factor
+    assert "scale_tril" in la.posterior.pending  # the moments formed no factor
     w = la.model.subspace.weights(la.loc).detach()
     blocks = la.model.subspace.jacobian_blocks(FlatNet(la.model.flat.net), x[:6], w, 64)
     jac = torch.cat([j for _, j in blocks])  # shape: (6, O, K)
@@ -77,13 +77,13 @@ def test_woodbury_posterior_equals_the_dense_inverse(lik, n, diagonal_prior, tem
     assert rel(f_cov, want_f) < 1e-10
     # the factor on first use: the Cholesky factor of Σ
     assert rel(la.scale_tril, torch.linalg.cholesky(want)) < 1e-10
-    assert "scale_tril" not in la.__dict__["_pending"]
+    assert "scale_tril" not in la.posterior.pending
 
 
 def test_more_rows_than_the_limit_take_the_dense_route():
     la, x, y = make_guide(likelihoods.Gaussian(0.3), 50, 2.0)  # 50 rows > 2K/3 = 40
     la.fit(x, y, find_map=False)
-    assert "scale_tril" not in la.__dict__["_pending"]
+    assert "scale_tril" not in la.posterior.pending
     assert rel(la.covariance, dense_covariance(la, 2.0)) < 1e-11
     rows = gram.RootRows(5)
     blocks = [(None, torch.ones(2, 1, 3)), (None, torch.ones(2, 1, 3)), (None, torch.ones(2, 1, 3))]
@@ -97,23 +97,23 @@ def test_retuned_prior_reuses_the_rows_and_a_changed_curvature_does_not():
     la, x, y = make_guide(likelihoods.Gaussian(0.3), 25, 2.0)
     la.fit(x, y, find_map=False)
     la.set_prior_precision(0.7)
-    assert "scale_tril" in la.__dict__["_pending"]
+    assert "scale_tril" in la.posterior.pending
     assert rel(la.covariance, dense_covariance(la, 0.7)) < 1e-11
     with torch.no_grad():
         la.ggn.mul_(3.0)  # e.g. a re-tuned noise scale: the rows no longer match the curvature
     la.set_prior_precision(0.7)
-    assert "scale_tril" not in la.__dict__["_pending"]
+    assert "scale_tril" not in la.posterior.pending
     assert rel(la.covariance, dense_covariance(la, 0.7)) < 1e-11
 
 
 def test_state_dict_holds_the_factor_formed_on_first_use(tmp_path):
     la, x, y = make_guide(likelihoods.Categorical(), 15, 2.0)
     la.fit(x, y, find_map=False)
-    assert "scale_tril" in la.__dict__["_pending"]
+    assert "scale_tril" in la.posterior.pending
     torch.save(la.state_dict(), tmp_path / "guide.pt")
     fresh, _, _ = make_guide(likelihoods.Categorical(), 15, 2.0)
     fresh.load_state_dict(torch.load(tmp_path / "guide.pt", weights_only=True))
-    assert "scale_tril" not in fresh.__dict__["_pending"]
+    assert "scale_tril" not in fresh.posterior.pending
     assert torch.equal(fresh.scale_tril, la.scale_tril)
     assert rel(fresh.scale_tril, torch.linalg.cholesky(dense_covariance(la, 2.0))) < 1e-10
     assert torch.equal(fresh.sample_weights(4, seed=1), la.sample_weights(4, seed=1))
@@ -124,7 +124,7 @@ def test_float32_woodbury_against_float64():
     rounding times the (modest) condition number allows."""
     la32, x, y = make_guide(likelihoods.Gaussian(0.3), 25, 2.0, dtype=torch.float32)
     la32.fit(x, y, find_map=False)
-    assert "scale_tril" in la32.__dict__["_pending"] and la32.covariance.dtype == torch.float32
+    assert "scale_tril" in la32.posterior.pending and la32.covariance.dtype == torch.float32
     la64, x64, y64 = make_guide(likelihoods.Gaussian(0.3), 25, 2.0)
     la64.fit(x64, y64, find_map=False)
     assert rel(la32.covariance, la64.covariance) < 1e-5
@@ -138,7 +138,7 @@ def test_evidence_from_the_rows_equals_the_dense_one():
     la, x, y = make_guide(likelihoods.Gaussian(0.3), 25, 2.0)
     la.fit(x, y, find_map=False)
     got = [la.log_marginal_likelihood(), la.log_marginal_likelihood(0.5, sigma=0.4)]
-    assert "ggn" in la.__dict__["_pending"]  # the evidence formed no K x K GGN
+    assert "ggn" in la.posterior.pending  # the evidence formed no K x K GGN
     with torch.no_grad():
         la.ggn.mul_(1.0)  # the rows no longer count: the formed GGN's eigenvalues
     want = [la.log_marginal_likelihood(), la.log_marginal_likelihood(0.5, sigma=0.4)]

@@ -146,12 +146,7 @@ def gaussian_moments(ref: Any) -> tuple[torch.Tensor, torch.Tensor]:
     elif hasattr(ref, "loc") and hasattr(ref, "covariance") and hasattr(ref, "fitted"):
         if not ref.fitted:
             raise ValueError("reference: the Laplace guide is not fitted; call fit(x, y) first")
-        mu, s = ref.loc.double(), ref.structure
-        if s.name == "lowrank":  # packed buffers: Σ = A Aᵀ with A the draw map, A = draw(I)ᵀ
-            a = s.draw(ref.scale_tril, torch.eye(mu.numel(), dtype=mu.dtype, device=mu.device))
-            cov = (a.T @ a).double()
-        else:
-            cov = ref.covariance.double()
+        mu, cov = ref.loc.double(), ref.posterior.covariance().double()
     else:
         base = ref
         while isinstance(base, (Independent, ExpandedDistribution)):

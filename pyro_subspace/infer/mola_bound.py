@@ -72,9 +72,7 @@ def _member_blocks(model, guide) -> tuple[torch.Tensor, list[torch.Tensor], bool
         raise ValueError(
             "mola: the bound of MoLA B.1 needs subset='last_layer' on a final nn.Linear"
         )
-    cov = guide.covariance
-    if cov.dim() != 2 or cov.shape[0] != sub.rank:
-        raise ValueError("mola: the bound needs a dense covariance (hessian_structure='full')")
+    cov = guide.posterior.covariance()  # (K, K): dense for every structure
     theta = sub.shift[sub.basis].double() + guide.loc.detach().double()
     means = theta[rows]  # (C, P̃)
     blocks = [cov[r[:, None], r[None, :]].double() for r in rows]

@@ -7,7 +7,7 @@ subclass named ``Test...`` in a ``tests/test_contract_*.py`` file that only says
 
 - `likelihood.BaseLikelihoodTestCase`: ``create_likelihood``, ``num_outputs``, ``targets``;
 - `subspace.BaseSubspaceTestCase`: ``create_subspace(net)``;
-- `structure.BaseStructureTestCase`: ``create_structure(K)``, ``reference(...)``;
+- `posterior.BasePosteriorTestCase`: ``create_posterior(K)``, ``reference_curvature(C)``;
 - `guide.BaseGuideTestCase`: ``subset``, ``structure``, ``rank`` of ``infer.Laplace``.
 
 Tolerances: ``1e-10``-ish for float64 identities, ``Z_MC`` standard errors for Monte Carlo

@@ -58,8 +58,8 @@ def classifier_problem():
 
 def dense_sigma(guide) -> torch.Tensor:
     """``Σ`` ``(K, K)`` of any structure: its functional covariance with ``J = I``."""
-    eye = torch.eye(guide.model.rank, dtype=torch.float64)
-    return guide.structure.functional_covariance(eye[None], guide.covariance)[0]
+    eye = torch.eye(guide.model.rank, dtype=guide.posterior.buffer_dtype)
+    return guide.posterior.functional_covariance(eye[None])[0].double()
 
 
 class _Pair(nn.Module):

@@ -26,7 +26,7 @@ from ...subspaces import IndexSubspace, LastLayerSubspace, Subspace, subnetwork
 from ...transaction import transaction
 from .guide import AutoSubspaceLaplace
 from .predictive import linearized_moments
-from .structures import check_structure
+from .posteriors import check_structure
 from .tuning import optimize_prior_precision
 
 SUBSETS = ("all", "last_layer", "subnetwork")
@@ -618,30 +618,25 @@ class NetLaplace(nn.Module):
         """``K``, the number of weights with a posterior."""
         return self.model.rank
 
-    def _unpacked(self, name: str, buffer: str) -> torch.Tensor:
-        guide = self.guide
-        guide._check_fitted()
-        if guide.structure.name == "lowrank":
-            raise ValueError(f"{name}: the lowrank structure keeps it packed: la.guide.{buffer}")
-        return getattr(guide, buffer)
-
     @property
-    def posterior_precision(self) -> torch.Tensor:
-        """``Σ⁻¹``: ``(K, K)`` (full) or ``(K,)`` (diag)."""
-        return self._unpacked("posterior_precision", "precision")
+    def posterior_precision(self):
+        """``Σ⁻¹`` in the structure's own form, as laplace-torch returns it
+        (`Posterior.posterior_precision`): ``(K, K)`` full, ``(K,)`` diag, ``((U, l/T), p)``
+        lowrank."""
+        self.guide._check_fitted()
+        return self.guide.posterior.posterior_precision()
 
     @property
     def posterior_covariance(self) -> torch.Tensor:
         """``Σ`` ``(K, K)`` (the diag structure's as a diagonal matrix)."""
-        cov = self._unpacked("posterior_covariance", "covariance")
-        return torch.diag(cov) if self.guide.structure.name == "diag" else cov
+        self.guide._check_fitted()
+        return self.guide.posterior.covariance()
 
     @property
     def posterior_variance(self) -> torch.Tensor:
         """The marginal variances ``diag(Σ)`` ``(K,)``, any structure."""
-        guide = self.guide
-        guide._check_fitted()
-        return guide.structure.marginal_std(guide.scale_tril).square()
+        self.guide._check_fitted()
+        return self.guide.posterior.marginal_variance()
 
     # ------------------------------------------------------------------ persistence
 
@@ -667,7 +662,7 @@ class NetLaplace(nn.Module):
 #: the guide's attributes readable on `NetLaplace` (fitted state, evidence and diagnostics)
 GUIDE_ATTRIBUTES = frozenset(
     {
-        "loc", "covariance", "scale_tril", "precision", "ggn", "structure", "fitted",
+        "loc", "covariance", "scale_tril", "precision", "ggn", "posterior", "fitted",
         "temperature", "num_data", "map_log_likelihood", "fit_statistics", "grid_scores",
         "hessian_structure", "chunk_size", "prior_loc", "prior_precision_matrix",
         "sample_weights", "draw_latent", "get_posterior", "set_sigma", "set_prior_precision",
@@ -786,11 +781,12 @@ class DiagonalLaplace(NetLaplace):
     def variance(self) -> torch.Tensor:
         """Marginal variances ``1 / (g/T + λ)`` ``(D,)``."""
         self.guide._check_fitted()
-        return self.covariance
+        return self.guide.posterior.marginal_variance()
 
     @property
     def ggn_diagonal(self) -> torch.Tensor:
-        return self.ggn
+        """``diag(G)`` ``(D,)`` (untempered)."""
+        return self.guide.posterior.curvature().diagonal()
 
     @property
     def weights(self) -> torch.Tensor:

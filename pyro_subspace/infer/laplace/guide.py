@@ -22,21 +22,19 @@ import torch
 from pyro.infer.autoguide import AutoContinuous, AutoGuide
 
 from ... import validation as ck
-from ...linalg import row_gram, symmetrize_
 from ...data import DataSource
-from ...curvature.gram import RootRows
 from ...nn import SubspaceNet
 from ...nn.evaluator import Evaluator
 from ...transaction import transactional
-from .deferred import DeferredPosterior
 from .map_search import _find_map, _newton, _warn_unconverged, has_kinks, posterior_offset
+from .posteriors import Posterior, PriorPrecision, make_posterior
 from .predictive import linearized_predictive
-from .structures import make_structure
 from .tuning import optimize_prior_precision
 
 PRIOR_MEANS = ("shift", "zero")
-#: The buffers of the curvature and the posterior, in the guide's ``dtype``.
-POSTERIOR_BUFFERS = ("ggn", "precision", "covariance", "scale_tril")
+#: The guide's own buffers of the posterior before it held a `Posterior` (states saved then
+#: load through `Posterior.legacy_state`).
+LEGACY_BUFFERS = ("ggn", "precision", "covariance", "scale_tril")
 #: a fit, refit or tuning either completes or leaves the guide and its model as they were
 _all_or_nothing = transactional(lambda g: (g, g.model), lambda g: g._mark_unfitted())
 
@@ -50,7 +48,7 @@ class FitStatistics(NamedTuple):
     num_observations: float  #: the observations it sums (``N·O``)
 
 
-class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
+class AutoSubspaceLaplace(AutoContinuous):
     """A Laplace guide ``q(t) = N(t*, Σ)`` for the latent sites of a `SubspaceNet` (eq. 15).
 
     Follows Pyro's ``AutoLaplaceApproximation``: find the MAP, take the curvature there, give a
@@ -70,10 +68,12 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         prior_mean: ``"shift"`` or ``"zero"``; ``None`` keeps the model's.
         rescale_prior: use ``λ_S = λ·K/D`` (Subnetwork Inference, section 4 after eq. 15
             and appendix C).
-        hessian_structure: ``"full"``, ``"diag"`` or ``"lowrank"`` (`structures`).
+        hessian_structure: ``"full"``, ``"diag"``, ``"lowrank"`` or ``"kron"`` (K-FAC, for a
+            subspace of whole parameter tensors): the `Posterior` the guide holds
+            (`posteriors`).
         chunk_size: rows of data per Jacobian block.
         rank: ``k`` of ``"lowrank"`` (top-``k`` GGN eigenpairs plus the prior as an isotropic
-            remainder, `lowrank.LowRankStructure`), ``1 <= k <= K``; default ``min(K, 10)``.
+            remainder, `posteriors.LowRankPosterior`), ``1 <= k <= K``; default ``min(K, 10)``.
         dtype: of the ``(K, K)`` buffers of the full structure (``ggn``, ``precision``,
             ``covariance``, ``scale_tril``): ``None`` the network's, so a float32 network gets
             float32 Jacobian products summed in float64 and a float32 factorisation (as fast and
@@ -81,17 +81,20 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
             condition number), a float64 network float64 throughout; ``torch.float64`` forces
             float64. A precision that is not positive definite in float32 is factorised in
             float64. The other structures are float64.
+        structure_options: options of the structure (`posteriors.OPTIONS`), e.g. for
+            ``"kron"`` ``fisher`` (``"type-2"``/``"mc"``), ``conv``, ``bias`` and ``damping``
+            (``"exact"``/``"ritter"``), `posteriors.KronPosterior`.
 
-    After `fit`: ``loc`` ``(K,) = t*`` (float64), ``precision``, ``covariance``, ``scale_tril``
-    (its factor) and ``ggn``, each ``(K, K)``, ``(K,)`` for diag, packed ``(K+1, k+1)`` for
-    lowrank (`lowrank.unpack`; ``get_posterior().covariance_matrix`` is the dense ``Σ``), in
-    ``dtype`` (above). Every draw (`forward`, `sample_weights`,
-    ``Predictive``) and the linearised predictive use this one ``Σ``. Before `fit` these four
-    buffers are zeros that take no memory (materialised by `fit` or ``load_state_dict``). With
-    at most ``2K/3`` GGN rows (``N·O``; ``N·(C−1)`` for ``C`` classes) the full structure takes
-    ``Σ`` from the rows by Woodbury's identity (``K²·rows`` instead of ``K³``) and forms
-    ``ggn``, ``precision`` and ``scale_tril`` when first read (`deferred`): the linearised
-    predictive needs none of them; a draw, the evidence or a ``state_dict`` forms them.
+    After `fit`: ``loc`` ``(K,) = t*`` (float64) and ``posterior``, the `Posterior` of the
+    structure, which owns ``Σ`` and the curvature in its buffers (in ``dtype``, above). Every
+    draw (`forward`, `sample_weights`, ``Predictive``) and the linearised predictive use this
+    one ``Σ``. ``covariance``, ``precision``, ``scale_tril`` and ``ggn`` read it as dense
+    ``(K, K)`` matrices (`Posterior.covariance`, ...). Before `fit` the full structure's
+    buffers are zeros that take no memory. With at most ``2K/3`` GGN rows (``N·O``;
+    ``N·(C−1)`` for ``C`` classes) the full structure takes ``Σ`` from the rows by Woodbury's
+    identity (``K²·rows`` instead of ``K³``) and forms the GGN, the precision and the factor
+    when first read (`posteriors.full`): the linearised predictive needs none of them; a draw,
+    the evidence or a ``state_dict`` forms them.
 
     Example:
         >>> x, y = torch.randn(30, 2), torch.randn(30)
@@ -114,6 +117,7 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         chunk_size: int = 1024,
         rank: int | None = None,
         dtype: torch.dtype | None = None,
+        structure_options: dict | None = None,
     ) -> None:
         if not isinstance(model, SubspaceNet):
             raise TypeError(f"model: expected a SubspaceNet, got {type(model).__name__}")
@@ -121,9 +125,14 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
             raise ValueError(f"dtype: expected None, torch.float32 or torch.float64, got {dtype!r}")
         if prior_mean is not None and prior_mean not in PRIOR_MEANS:
             raise ValueError(f"prior_mean: expected one of {PRIOR_MEANS}, got {prior_mean!r}")
-        structure = make_structure(hessian_structure, rank, model.rank)
-        ck.positive_int(chunk_size, "chunk_size")
         sub, k = model.subspace, model.rank
+        if dtype is None:
+            net_dtype = sub.shift.dtype
+            dtype = net_dtype if net_dtype in (torch.float32, torch.float64) else torch.float32
+        posterior = make_posterior(
+            hessian_structure, k, rank, dtype, sub.shift.device, structure_options
+        )
+        ck.positive_int(chunk_size, "chunk_size")
         lam = None
         if prior_precision is not None:
             lam = ck.prior_precision(prior_precision, k)
@@ -134,20 +143,11 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         if (prior_mean is not None and prior_mean != model.prior_mean) or lam is not None:
             model.set_prior(prior_mean or model.prior_mean, lam)
         AutoGuide.__init__(self, model)  # the model itself: no init messenger, no params
-        self.structure = structure
+        self.posterior: Posterior = posterior
         self.hessian_structure = hessian_structure
         self.chunk_size = chunk_size
         self.rescale_prior = bool(rescale_prior)
         f64 = {"dtype": torch.float64, "device": sub.shift.device}
-        shape = structure.shape(k)
-        if hessian_structure != "full":
-            dtype = torch.float64
-        elif dtype is None:
-            net_dtype = sub.shift.dtype
-            dtype = net_dtype if net_dtype in (torch.float32, torch.float64) else torch.float32
-        for name in POSTERIOR_BUFFERS:  # zeros without memory until fit (`_materialized`)
-            zero = torch.zeros((), dtype=dtype, device=sub.shift.device)
-            self.register_buffer(name, zero.expand(shape))
         self.register_buffer("loc", torch.zeros(k, **f64))
         self.register_buffer("map_log_likelihood", torch.zeros((), **f64))
         # `FitStatistics` in order (temperature 0 = unfitted); read it through `statistics`
@@ -157,7 +157,6 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         #: model's) is refused at use instead of predicting with a Σ its evidence does not match
         self.register_buffer("posterior_prior_precision", torch.zeros(k, **f64))
         self.register_buffer("posterior_sigma", torch.full((), math.nan, **f64))
-        self._reset_deferred()
         self._setup_prototype()
 
     # ------------------------------------------------------------------ Pyro's autoguide API
@@ -174,18 +173,18 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
     def get_posterior(self, *args: object, **kwargs: object):
         """``N(t*, Σ)`` over the packed latent ``t``, event shape ``(K,)``, float64."""
         self._check_fitted()
-        return self.structure.distribution(self.loc, self.scale_tril.to(self.loc.dtype))
+        return self.posterior.distribution(self.loc)
 
     def sample_latent(self, *args: object, **kwargs: object) -> torch.Tensor:
         self._check_fitted()
         dtype = self.model.subspace.shift.dtype
-        dist = self.structure.distribution(self.loc.to(dtype), self.scale_tril.to(dtype))
+        dist = self.posterior.distribution(self.loc.to(dtype))
         return pyro.sample(f"_{self._pyro_name}_latent", dist, infer={"is_auxiliary": True})
 
     def _loc_scale(self, *args: object, **kwargs: object):
         self._check_fitted()
         dtype = self.model.subspace.shift.dtype
-        return self.loc.to(dtype), self.structure.marginal_std(self.scale_tril).to(dtype)
+        return self.loc.to(dtype), self.posterior.marginal_variance().sqrt().to(dtype)
 
     # ------------------------------------------------------------------ state
 
@@ -226,23 +225,48 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
     def prior_loc(self) -> torch.Tensor:
         return self.model.prior_loc
 
-    def prior_precision_matrix(self, prior_precision: torch.Tensor | None = None) -> torch.Tensor:
-        """``Λ₀``: ``λ·PᵀP`` / ``diag(λ)`` (``(K,)`` diagonal for the diag structure)."""
+    def prior(self, prior_precision: float | torch.Tensor | None = None) -> PriorPrecision:
+        """The model's exact prior precision ``Λ₀`` of the coordinates (`PriorPrecision`), with
+        ``prior_precision`` for ``λ`` if given (a tensor that requires grad stays in the graph)."""
         lam = self.prior_precision if prior_precision is None else prior_precision
         lam = torch.as_tensor(lam, dtype=torch.float64, device=self.loc.device)
-        return self.structure.prior_matrix(lam, self.model)
+        gram = None if self.model.prior_gram.numel() == 0 else self.model.prior_gram
+        return PriorPrecision(lam, gram if lam.dim() == 0 else None, self.model.rank)
 
-    def _materialized(self, name: str) -> torch.Tensor:
-        """The buffer ``name`` as a contiguous tensor to write into: itself once it is one (a
-        refit overwrites it in place, as ``copy_`` would), else new memory."""
-        buf = self._buffers[name]
-        if not buf.is_contiguous():  # the zero-stride zeros of an unfitted guide
-            buf = torch.empty(buf.shape, dtype=buf.dtype, device=buf.device)
-            self._buffers[name] = buf
-        return buf
+    def prior_precision_matrix(self, prior_precision: torch.Tensor | None = None) -> torch.Tensor:
+        """``Λ₀`` ``(K, K)`` as the posterior represents it (`Posterior.effective_prior`:
+        ``λ·PᵀP`` / ``diag(λ)`` for the full structure, the diagonal of it for the others)."""
+        return self.posterior.effective_prior(self.prior(prior_precision)).matrix()
+
+    @property
+    def covariance(self) -> torch.Tensor:
+        """``Σ`` ``(K, K)`` (`Posterior.covariance`)."""
+        return self.posterior.covariance()
+
+    @property
+    def precision(self) -> torch.Tensor:
+        """``Σ⁻¹`` ``(K, K)`` (`Posterior.precision`)."""
+        return self.posterior.precision()
+
+    @property
+    def scale_tril(self) -> torch.Tensor:
+        """``L`` ``(K, K)`` lower-triangular with ``L Lᵀ = Σ`` (`Posterior.cholesky`)."""
+        return self.posterior.cholesky()
+
+    @property
+    def ggn(self) -> torch.Tensor:
+        """The curvature ``PᵀGP`` ``(K, K)`` the posterior keeps, untempered
+        (`Posterior.curvature`)."""
+        return self.posterior.curvature()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
-        self._reset_deferred()
+        old = {n: state_dict.pop(prefix + n) for n in LEGACY_BUFFERS if prefix + n in state_dict}
+        if old:  # saved before the guide held a posterior: its buffers under their new names
+            stats = state_dict.get(prefix + "fit_statistics")
+            for name, value in self.posterior.legacy_state(old).items():
+                state_dict[prefix + "posterior." + name] = value
+            if stats is not None:
+                state_dict[prefix + "posterior.temperature"] = stats[0].clone()
         if prefix + "loc" in state_dict and prefix + "posterior_prior_precision" not in state_dict:
             # a state saved before the guide recorded the λ and σ its Σ was formed with: NaN
             # marks them unknown, and the guide refuses to predict until set_prior_precision
@@ -250,9 +274,6 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
             k = self._buffers["loc"].shape[0]
             state_dict[prefix + "posterior_prior_precision"] = torch.full((k,), math.nan).double()
             state_dict[prefix + "posterior_sigma"] = torch.tensor(math.nan).double()
-        for name in POSTERIOR_BUFFERS:  # copy_ needs memory to write into
-            if not self._buffers[name].is_contiguous():
-                self._materialized(name).zero_()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _check_fitted(self) -> None:
@@ -290,7 +311,7 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         """What an interrupted fit leaves when its state was too large to copy aside
         (`transaction.BUDGET_BYTES`): an unfitted guide, never a half-fitted one."""
         self.fit_statistics.zero_()
-        self._reset_deferred()
+        self.posterior.clear_pending()
 
     # ------------------------------------------------------------------ fitting
 
@@ -361,13 +382,7 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
             dtype, kinked = self.model.subspace.shift.dtype, has_kinks(self.model.flat.net)
             unconverged = (grad, tol, iterations, max_iter if used_up else None, dtype, kinked)
         self.loc.copy_(t.detach())
-        full = self.structure.name == "full"
-        rows = RootRows(2 * self.model.rank // 3) if full else None  # Woodbury pays below that
-        kw = {"rows": rows} if full else {}
-        ggn = self.structure.curvature(ev, t, dtype=self._buffers_dtype, **kw)
-        self._reset_deferred(rows if ggn is None else None)  # None: the GGN is left pending
-        if ggn is not None:
-            self.ggn = ggn.detach()
+        self.posterior.fit_curvature(ev, t)
         loglik, sse, count = ev.map_statistics(t) if has_targets else (math.nan, 0.0, 0)
         self.map_log_likelihood.fill_(loglik)
         stats = FitStatistics(ev.temperature, ev.num_data, sse, count)
@@ -379,42 +394,19 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
 
     def _polish(self, objective: Callable, t: torch.Tensor, ev, prior):
         """One Gauss–Newton step ``t − (PᵀGP/T + Λ₀)⁻¹ ∇``, kept unless it raises the loss
-        (the structure's `newton_step`: the dense ``PᵀGP`` except for the low-rank one);
+        (the posterior's `newton_step`: the dense ``PᵀGP`` except for the low-rank one);
         returns the point kept and the gradient there."""
         loss, grad = objective(t)
-        t_new = t - self.structure.newton_step(ev, t, grad, prior)
+        t_new = t - self.posterior.newton_step(ev, t, grad, prior.prior)
         loss_new, grad_new = objective(t_new)
         if loss_new <= loss + 1e-12 * (1 + abs(loss)):  # up to rounding
             return t_new, grad_new
         return t, grad
 
-    @property
-    def _buffers_dtype(self) -> torch.dtype:
-        return self._buffers["precision"].dtype
-
-    def _set_posterior(self, prior_precision: torch.Tensor | None = None) -> None:
+    def _set_posterior(self) -> None:
+        """Form ``Σ`` for the model's prior (and record the ``λ`` and ``σ`` it was formed with)."""
         self._record_posterior_hyperparameters()
-        s = self.structure
-        out = [self._materialized(name) for name in ("precision", "scale_tril", "covariance")]
-        self.__dict__["_pending"] -= {"precision", "scale_tril"}
-        if s.name == "full":  # in place, in the buffers' dtype, no (K, K) temporaries
-            lam = self.prior_precision if prior_precision is None else prior_precision
-            lam = torch.as_tensor(lam, dtype=torch.float64, device=self.loc.device)
-            root = self._root()  # fewer GGN rows than K: Woodbury; Σ⁻¹ and L on first use
-            if root is not None and s.posterior_from_root_(
-                root, self.temperature, lam, self.model, out[2]
-            ):
-                self._defer("precision", "scale_tril", lam=lam)
-                return
-            s.posterior_(self.ggn, self.temperature, lam, self.model, *out)
-            return
-        precision = s.precision(
-            self.ggn, self.temperature, self.prior_precision_matrix(prior_precision)
-        )
-        factor = s.factor(precision)
-        out[0].copy_(precision)
-        out[1].copy_(factor)
-        out[2].copy_(s.covariance(factor))
+        self.posterior.set_prior(self.prior())
 
     # ------------------------------------------------------------------ draws and predictives
 
@@ -437,7 +429,7 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
             num_samples, self.model.rank, generator=generator, dtype=torch.float64,
             device=self.loc.device,
         )  # fmt: skip
-        return self.loc + self.structure.draw(self.scale_tril, eps)
+        return self.loc + self.posterior.draw(eps).double()
 
     def predict(self, x: torch.Tensor, link_approx: str = "auto", **kwargs: object):
         """The linearised predictive as a ``torch.distributions`` object (`linearized_predictive`)."""
@@ -464,45 +456,13 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
             sigma0 = self._scalar_sigma()
             sigma = torch.as_tensor(sigma, dtype=torch.float64, device=self.loc.device)
             c, loglik = (sigma0 / sigma) ** 2, self._gaussian_loglik(sigma)
-        s = self.structure
+        prior = self.posterior.effective_prior(self.prior(lam))
         d = self.loc - self.prior_loc
-        if s.name == "full" and lam.dim() == 0 and self.model.prior_gram.numel() == 0:
-            # Λ₀ = λI: log|cG/T + λI| = Σ_i log(c g_i/T + λ) from one eigendecomposition of the
-            # fitted G, so each evidence evaluation (and its gradient) costs O(K), not O(K³)
-            g = self._ggn_eigenvalues()
-            k = g.numel()
-            return (
-                loglik / self.temperature
-                - lam * d.square().sum() / 2
-                + (k * lam.log() - torch.log(c * g / self.temperature + lam).sum()) / 2
-            )
-        ggn = self.ggn.double() if sigma is None else s.scale_curvature(self.ggn.double(), c)
-        prior = s.prior_matrix(lam, self.model)
-        post = s.precision(ggn, self.temperature, prior)
         return (
             loglik / self.temperature
-            - s.quad(prior, d) / 2
-            + (s.logdet(prior, "prior precision") - s.logdet(post, "posterior precision")) / 2
+            - prior.quad(d) / 2
+            + (prior.log_det() - self.posterior.log_det(prior, c)) / 2
         )
-
-    def _ggn_eigenvalues(self) -> torch.Tensor:
-        """Eigenvalues ``(K,)`` of the fitted ``PᵀGP`` (clamped at 0: it is PSD up to rounding),
-        cached until the curvature buffer changes; from the ``(r, r)`` ``A Aᵀ`` of the kept GGN
-        rows when there are any (`deferred`: ``r³`` instead of ``K³``, no ``(K, K)`` GGN)."""
-        root = self._root()
-        if root is not None:  # AᵀA and the (r, r) A Aᵀ share their non-zero eigenvalues
-            key = ("rows", id(self.__dict__["_rows"]))
-        else:
-            key = (self.ggn.data_ptr(), self.ggn._version)
-        cached = self.__dict__.get("_eig_cache")
-        if cached is None or cached[0] != key:
-            if root is not None:
-                g = torch.linalg.eigvalsh(row_gram(root.double()))
-                g = torch.cat([g, g.new_zeros(root.shape[1] - root.shape[0])])
-            else:
-                g = torch.linalg.eigvalsh(symmetrize_(self.ggn.to(torch.float64, copy=True)))
-            self.__dict__["_eig_cache"] = cached = (key, g.clamp_min(0))
-        return cached[1]
 
     def _scalar_sigma(self) -> float:
         if not self.likelihood.noise_scale_tunable:
@@ -525,8 +485,7 @@ class AutoSubspaceLaplace(DeferredPosterior, AutoContinuous):
         old = self._scalar_sigma()
         sigma = ck.positive_float(sigma, "sigma")
         with torch.no_grad():
-            scale = (old / sigma) ** 2
-            self.ggn.copy_(self.structure.scale_curvature(self.ggn, scale))
+            self.posterior.scale_curvature_((old / sigma) ** 2)
             self.map_log_likelihood.copy_(self._gaussian_loglik(torch.tensor(sigma).double()))
         lik = self.likelihood  # a learned PyroParam or a buffer: set in place
         lik.sigma = torch.full_like(lik.sigma.detach(), sigma)
@@ -556,33 +515,21 @@ def _short(t: torch.Tensor) -> str:
 
 
 class FullPrior:
-    """``½ (t − m₀)ᵀ Λ₀ (t − m₀)`` added to a loss and gradient (the exact prior whatever the
-    posterior structure; a diagonal ``Λ₀`` is kept as its diagonal ``(K,)``)."""
+    """``½ (t − m₀)ᵀ Λ₀ (t − m₀)`` added to a loss and gradient: the exact prior of the guide's
+    model (`AutoSubspaceLaplace.prior`) whatever the posterior structure."""
 
     def __init__(self, guide: AutoSubspaceLaplace) -> None:
-        lam = guide.prior_precision.to(guide.loc)
-        model, k = guide.model, guide.model.rank
-        self.diagonal = None
-        if lam.dim() == 1:
-            self.diagonal = lam
-        elif model.prior_gram.numel() == 0:  # PᵀP = I, never formed
-            self.diagonal = lam.expand(k)
-        else:
-            self._matrix = lam * model.prior_gram_matrix()
+        self.prior = guide.prior()
         self.loc = guide.prior_loc
 
     @property
     def matrix(self) -> torch.Tensor:
         """``Λ₀`` ``(K, K)``."""
-        return torch.diag(self.diagonal) if self.diagonal is not None else self._matrix
-
-    def apply(self, d: torch.Tensor) -> torch.Tensor:
-        """``Λ₀ d``."""
-        return self.diagonal * d if self.diagonal is not None else self._matrix @ d
+        return self.prior.matrix()
 
     def add(self, loss: float, grad: torch.Tensor, t: torch.Tensor) -> tuple[float, torch.Tensor]:
         d = t.detach() - self.loc
-        lam_d = self.apply(d)
+        lam_d = self.prior.apply(d)
         total = loss + float(d @ lam_d) / 2
         if not math.isfinite(total):
             raise FloatingPointError("fit: the negative log joint is not finite at the MAP search")

@@ -95,16 +95,9 @@ NEGLIGIBLE_OFFSET = 1e-3
 
 def posterior_offset(guide, grad: torch.Tensor) -> float | None:
     """``√(∇ᵀ Σ ∇)``, the Newton decrement of the fitted guide at ``t*``: how many posterior
-    standard deviations (Mahalanobis) a Gauss–Newton step would still move ``t*``; ``None``
-    for the lowrank structure (not computed)."""
-    name, g = guide.structure.name, grad.double()
-    if name == "full":
-        value = g @ (guide.covariance.double() @ g)
-    elif name == "diag":
-        value = (guide.covariance.double() * g.square()).sum()
-    else:
-        return None
-    return float(value.clamp_min(0).sqrt())
+    standard deviations (Mahalanobis) a Gauss–Newton step would still move ``t*``
+    (`Posterior.newton_decrement`)."""
+    return guide.posterior.newton_decrement(grad)
 
 
 def _warn_unconverged(

@@ -19,8 +19,8 @@ def _check_guide(guide: object):
     """The fitted Laplace guide of ``guide``: itself, or the ``laplace_guide`` of the object
     `infer.Laplace` returns."""
     guide = getattr(guide, "laplace_guide", guide)
-    # a Laplace guide: fitted state (`_check_fitted`) and a posterior structure
-    if not (callable(getattr(guide, "_check_fitted", None)) and hasattr(guide, "structure")):
+    # a Laplace guide: fitted state (`_check_fitted`) and a `Posterior`
+    if not (callable(getattr(guide, "_check_fitted", None)) and hasattr(guide, "posterior")):
         raise TypeError(
             f"guide: expected an AutoSubspaceLaplace (e.g. from infer.Laplace), "
             f"got {type(guide).__name__}"
@@ -32,7 +32,6 @@ def _check_guide(guide: object):
 def linearized_moments(
     guide: AutoGuide,
     x: torch.Tensor,
-    covariance: torch.Tensor | None = None,
     chunk_size: int | None = None,
     diagonal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,44 +41,36 @@ def linearized_moments(
         guide: a fitted `AutoSubspaceLaplace` (any structure and subspace kind).
         x: inputs ``(N, ...)``, or a ``Dataset``/``DataLoader`` of ``(x, y)`` (its inputs in its
             order; the targets are not used).
-        covariance: ``Σ`` (in the guide's structure) to use instead of the guide's.
         chunk_size: rows per Jacobian block (default the guide's).
         diagonal: a last-layer subspace may fill only the variances ``C_oo`` (all that the
             probit and regression predictives use).
 
     Returns:
         ``f_mean`` ``(N, O)`` and ``f_cov`` ``(N, O, O)``, float64 (``J_P Σ J_Pᵀ`` is computed
-        in ``Σ``'s dtype: float32 for a float32 network's full structure, `AutoSubspaceLaplace`).
+        in the posterior's dtype: float32 for a float32 network's full structure,
+        `AutoSubspaceLaplace`).
     """
     guide = _check_guide(guide)
     guide.model.check_data(x)
     if not isinstance(x, torch.Tensor):  # a Dataset / DataLoader: its inputs, in its order
         x = as_tensors(x)[0]
     ck.positive_int(chunk_size, "chunk_size", allow_none=True)
-    model, s = guide.model, guide.structure
-    sigma = guide.covariance if covariance is None else covariance
+    model, posterior = guide.model, guide.posterior
     chunk = guide.chunk_size if chunk_size is None else chunk_size
     w = model.subspace.weights(guide.loc).detach()
     flat = FlatNet(model.flat.net, batch_strategy="loop")
     means, covs = [], []
     sub = model.subspace
-    dtype = sigma.dtype  # J Σ Jᵀ in Σ's dtype (the guide's: the network's for "full")
+    dtype = posterior.buffer_dtype  # J Σ Jᵀ in Σ's dtype (the network's for "full")
     if hasattr(sub, "feature_blocks"):  # a last layer: J from the penultimate features
         for out, phi in sub.feature_blocks(flat, x, w, chunk):
             means.append(out.double())
-            covs.append(s.feature_covariance(phi.to(dtype), sub.rows, sigma, diagonal).double())
+            cov = posterior.feature_covariance(phi.to(dtype), sub.rows, diagonal)
+            covs.append(cov.double())
     else:
-        # the full structure's own Σ: (J_P L)(J_P L)ᵀ with its triangular L (BLAS trmm)
-        # (J_P Σ J_Pᵀ with Σ when the factor is left to first use: no K³/3 Cholesky for it)
-        by_factor = covariance is None and hasattr(s, "functional_covariance_from_factor")
-        by_factor = by_factor and "scale_tril" not in guide.__dict__.get("_pending", ())
         for out, jp in sub.jacobian_blocks(flat, x, w, chunk):
             means.append(out.double())
-            if by_factor:
-                covs.append(s.functional_covariance_from_factor(jp.to(dtype), guide.scale_tril))
-            else:
-                covs.append(s.functional_covariance(jp.to(dtype), sigma))
-            covs[-1] = covs[-1].double()
+            covs.append(posterior.functional_covariance(jp.to(dtype)).double())
     return torch.cat(means), torch.cat(covs)
 
 

@@ -19,7 +19,6 @@ import math
 
 import torch
 
-from ...curvature import subspace_jacobians
 from ...data import as_tensors
 from ...flat import FlatNet
 from ...validation import check_int
@@ -44,43 +43,23 @@ def grid_covariances(guide, x: torch.Tensor, chunk_size: int | None = None):
     ``f_mean`` ``(N, O)`` and ``f_cov(λ)`` ``(N, O, O)`` (eqs. 11–12), the Jacobians computed
     once.
 
-    With a dense ``(K, K)`` curvature (the full structure) one eigendecomposition serves every
-    ``λ``: with ``Λ₀(λ) = λB``, ``B = L Lᵀ`` and ``L⁻¹ (PᵀGP/T) L⁻ᵀ = U diag(e) Uᵀ``,
-    ``Σ(λ) = L⁻ᵀ U diag(1/(e + λ)) Uᵀ L⁻¹``, so ``f_cov(λ) = Σ_k a_k a_kᵀ / (e_k + λ)`` with
-    ``a = J_P L⁻ᵀ U`` (``O(N·O²·K)`` per ``λ``, no factorisation). Other structures factorise
-    ``PᵀGP/T + Λ₀(λ)`` once per ``λ`` in their own form (a last layer from its features)."""
+    The posterior sweeps ``λ`` in its own way (`Posterior.functional_covariance_on_grid`): the
+    full structure with one eigendecomposition for the whole grid, the others by forming
+    ``Σ(λ)`` per ``λ`` (a last layer from its features)."""
     guide._check_fitted()
-    model, s = guide.model, guide.structure
-    sub, k = model.subspace, model.rank
+    model, posterior = guide.model, guide.posterior
+    sub = model.subspace
     chunk = guide.chunk_size if chunk_size is None else chunk_size
     w = sub.weights(guide.loc).detach()
-    curvature = guide.ggn.double()
-    if tuple(curvature.shape) == (k, k):  # dense: one eigendecomposition for the whole grid
-        parts = list(subspace_jacobians(model.flat.net, x, sub, chunk, w=w))
-        f_mean = torch.cat([p[0] for p in parts]).double()
-        jp = torch.cat([p[1] for p in parts]).double()  # shape: (N, O, K)
-        chol = torch.linalg.cholesky(guide.prior_precision_matrix(torch.tensor(1.0).double()))
-        a = torch.linalg.solve_triangular(chol, curvature / guide.temperature, upper=False)
-        a = torch.linalg.solve_triangular(chol, a.T.contiguous(), upper=False)
-        e, u = torch.linalg.eigh((a + a.T) / 2)
-        ju = jp @ torch.linalg.solve_triangular(chol.T, u, upper=True)
-        e = e.clamp_min(0.0)
-        return f_mean, lambda lam: torch.einsum("nok,k,npk->nop", ju, 1.0 / (e + lam), ju)
     flat = FlatNet(model.flat.net, batch_strategy="loop")
     features = hasattr(sub, "feature_blocks")
     blocks = list(
         sub.feature_blocks(flat, x, w, chunk) if features else sub.jacobian_blocks(flat, x, w, chunk)
     )
     f_mean = torch.cat([b[0] for b in blocks]).double()
-
-    def f_cov(lam: torch.Tensor) -> torch.Tensor:
-        prior = guide.prior_precision_matrix(lam)
-        cov = s.covariance(s.factor(s.precision(curvature, guide.temperature, prior)))
-        if features:
-            return torch.cat([s.feature_covariance(b.double(), sub.rows, cov, True) for _, b in blocks])
-        return torch.cat([s.functional_covariance(b.double(), cov) for _, b in blocks])
-
-    return f_mean, f_cov
+    prior_at = lambda lam: posterior.effective_prior(guide.prior(lam))  # noqa: E731
+    rows = sub.rows if features else None
+    return f_mean, posterior.functional_covariance_on_grid([b for _, b in blocks], prior_at, rows)
 
 
 def grid_scores(members, weights, likelihood, y, grid, y_name: str = "y_val") -> torch.Tensor:

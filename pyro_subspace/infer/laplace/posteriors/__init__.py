@@ -1,0 +1,84 @@
+"""Posteriors of a Laplace guide: one contract (`Posterior`), one implementation per structure.
+
+As laplace-torch separates the subset of weights from the Hessian structure, a Laplace guide
+combines a `Subspace` kind (which weights) with one `Posterior` (which covariance over them):
+
+- `FullPosterior` (``"full"``): dense ``Σ⁻¹ = PᵀGP/T + Λ₀`` (Subnetwork Inference eq. 15);
+- `DiagonalPosterior` (``"diag"``): its diagonal only (the mean-field baseline);
+- `LowRankPosterior` (``"lowrank"``): the top-``k`` GGN eigenpairs plus the prior as an
+  isotropic remainder (laplace-torch's ``LowRankLaplace``);
+- `KronPosterior` (``"kron"``): K-FAC, one Kronecker-factored block per layer (laplace-torch's
+  ``KronLaplace``, Ritter et al. 2018), over a subspace of whole parameter tensors.
+
+`make_posterior` builds one by its laplace-torch name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Posterior, PriorPrecision
+from .diagonal import DiagonalPosterior
+from .full import FullPosterior
+from .kron import KronPosterior
+from .lowrank import LowRankFactorNormal, LowRankPosterior
+
+#: the posterior of each ``hessian_structure`` name
+POSTERIORS: dict[str, type[Posterior]] = {
+    cls.name: cls
+    for cls in (FullPosterior, DiagonalPosterior, LowRankPosterior, KronPosterior)
+}
+#: the structures that take a ``rank``
+RANKED = ("lowrank",)
+#: the options each structure takes (`structure_options` of the guide)
+OPTIONS = {"kron": ("fisher", "conv", "bias", "damping", "mc_samples", "seed")}
+
+
+def check_structure(name: object, rank: object, options: dict | None = None) -> None:
+    """The checks of `make_posterior` that need no ``K`` (for entry points, before any work)."""
+    if not isinstance(name, str) or name not in POSTERIORS:
+        raise ValueError(f"hessian_structure: expected one of {tuple(POSTERIORS)}, got {name!r}")
+    if rank is not None and name not in RANKED:
+        raise ValueError(f"rank: only used with hessian_structure='lowrank', got {name!r}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        raise ValueError(f"rank: expected a positive int, got {rank!r}")
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"structure_options: expected a dict, got {type(options).__name__}")
+    for key in options or {}:
+        if key not in OPTIONS.get(name, ()):
+            allowed = {k: v for k, v in OPTIONS.items()}
+            raise TypeError(
+                f"structure_options: {key!r} is not an option of hessian_structure={name!r} "
+                f"(options by structure: {allowed})"
+            )
+
+
+def make_posterior(
+    name: str,
+    dim: int,
+    rank: int | None = None,
+    dtype: torch.dtype = torch.float64,
+    device=None,
+    options: dict | None = None,
+) -> Posterior:
+    """The posterior called ``name`` over ``dim`` coordinates; ``rank`` only for ``"lowrank"``,
+    ``options`` only for the structures that take them (`OPTIONS`); ``dtype`` of the buffers
+    where the structure keeps the network's (``"full"``)."""
+    check_structure(name, rank, options)
+    if name in RANKED:
+        return POSTERIORS[name](dim, rank=rank, device=device)
+    return POSTERIORS[name](dim, dtype=dtype, device=device, **(options or {}))
+
+
+__all__ = [
+    "POSTERIORS",
+    "DiagonalPosterior",
+    "FullPosterior",
+    "KronPosterior",
+    "LowRankFactorNormal",
+    "LowRankPosterior",
+    "Posterior",
+    "PriorPrecision",
+    "check_structure",
+    "make_posterior",
+]

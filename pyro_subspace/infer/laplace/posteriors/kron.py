@@ -1,0 +1,453 @@
+"""`KronPosterior`: the K-FAC Laplace posterior, one Kronecker-factored block per layer.
+
+Ritter, Botev & Barber (2018), "A Scalable Laplace Approximation for Neural Networks"; the
+K-FAC Laplace of laplace-torch (``KronLaplace``) and of Mixtures of Laplace Approximations
+(Algorithm 1, App. B.2). Over a subspace that is a union of whole parameter tensors (the last
+layer, all weights, a set of layers) the GGN is replaced by `curvature.kfac`'s blocks: per
+``nn.Linear``/``nn.Conv2d`` weight ``G ⊗ A`` (``G`` ``(out, out)`` a sum over the data of the
+back-propagated output-Hessian factor columns, ``A`` ``(in, in)`` the mean of the layer's inputs'
+outer products), per bias ``G`` (a Kronecker block with ``A = [1]``), and the exact GGN
+diagonal for every other parameter (BatchNorm, embeddings, ...). With the eigendecompositions
+``G = Q_G diag(g) Q_Gᵀ`` and ``A = Q_A diag(a) Q_Aᵀ`` each block of the posterior precision is
+diagonal in the Kronecker eigenbasis::
+
+    Σ⁻¹_block = (Q_G ⊗ Q_A) diag(m) (Q_G ⊗ Q_A)ᵀ,   m_kl = s g_k a_l / T + λ_block
+
+(``s`` a curvature scale, ``T`` the temperature): the prior is added exactly in the eigenbasis,
+as laplace-torch does. So the log-determinant ``Σ log m`` and its gradient in ``λ`` cost
+``O(D)`` per ``λ`` without refactorising, draws are ``(Q_G ⊗ Q_A) diag(m^{-1/2}) ε``
+(``vec(Q_G (E / √m) Q_Aᵀ)``, row-major ``vec``), and ``J Σ Jᵀ`` rotates each layer's Jacobian
+block into the eigenbasis. ``damping="ritter"`` uses Ritter et al.'s damped factors instead,
+``(√N A + √λ I) ⊗ (G/√N + √λ I)`` (their eq. 11 with ``A``, ``G`` as means): eigenvalues
+``m_kl = (s g_k/(T√N) + √λ)(√N a_l + √λ)``, the KFAC-Laplace baseline of Subspace Inference's
+tables 8–9.
+
+The prior ``λ`` must be one value per Kronecker block (a scalar, or laplace-torch's
+``prior_structure="layerwise"``: one per parameter tensor); a per-weight ``λ`` is exact only on
+the full and diagonal structures and is refused here (it is accepted on diagonal blocks).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from ....curvature.kfac import KronFactors, kfac
+from ....flat import eval_mode
+from ....validation import choice
+from .base import Posterior, PriorPrecision, check_positive
+
+#: the most coordinates a dense ``(K, K)`` covariance, precision or curvature is formed for
+DENSE_LIMIT = 10_000
+DAMPINGS = ("exact", "ritter")
+
+
+class KronPosterior(Posterior):
+    """K-FAC Laplace over a union of whole parameter tensors (module docstring).
+
+    Args:
+        dim: ``K``, the coordinates (the subspace's indices, in its order).
+        fisher: ``"type-2"`` (the exact GGN factors) or ``"mc"`` (one sampled output per point,
+            laplace-torch's ``stochastic=True``), `curvature.kfac`.
+        conv: ``Conv2d`` weight sharing: ``"expand"`` (laplace-torch's default curvlinops
+            backend), ``"reduce"`` or ``"backpack"`` (laplace-torch's BackPack backend).
+        bias: ``"separate"`` (a bias its own block, laplace-torch's convention) or ``"augment"``.
+        damping: ``"exact"`` (the prior added in the eigenbasis) or ``"ritter"``.
+        mc_samples, seed: of the ``"mc"`` Fisher (a fixed seed: refits repeat).
+        device: of the buffers.
+
+    Buffers (float64), per block ``i``: ``b{i}_pos`` the block's coordinates among the ``K``
+    (row-major ``vec`` of ``(out, in)``), ``b{i}_gvals``/``b{i}_gvecs`` and
+    ``b{i}_avals``/``b{i}_avecs`` (eigenpairs of ``G`` and ``A``) or ``b{i}_diag`` for a
+    diagonal block; ``prior_diagonal`` ``(K,)`` the ``λ`` that ``Σ`` is formed with;
+    ``num_data`` ``N``.
+    """
+
+    name = "kron"
+
+    def __init__(
+        self,
+        dim: int,
+        fisher: str = "type-2",
+        conv: str = "expand",
+        bias: str = "separate",
+        damping: str = "exact",
+        mc_samples: int = 1,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float64,
+        device=None,
+    ) -> None:
+        super().__init__(dim, torch.float64, device)
+        choice(fisher, "fisher", ("type-2", "mc")), choice(conv, "conv", ("expand", "reduce", "backpack"))
+        choice(bias, "bias", ("separate", "augment")), choice(damping, "damping", DAMPINGS)
+        self.fisher, self.conv, self.bias, self.damping = fisher, conv, bias, damping
+        self.mc_samples, self.seed = mc_samples, seed
+        f64 = {"dtype": torch.float64, "device": device}
+        self.register_buffer("prior_diagonal", torch.zeros(dim, **f64))
+        self.register_buffer("num_data", torch.zeros((), **f64))
+        self._blocks: list[str] = []  # block prefixes "b0", "b1", ...
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, blocks={len(self._blocks)}, damping={self.damping!r}"
+
+    # ------------------------------------------------------------------ blocks
+
+    def _block(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {
+            key: self._buffers[f"{prefix}_{key}"]
+            for key in ("pos", "gvals", "gvecs", "avals", "avecs", "diag")
+            if f"{prefix}_{key}" in self._buffers
+        }
+
+    def blocks(self) -> list[dict[str, torch.Tensor]]:
+        """The blocks: dicts of ``pos`` and ``gvals, gvecs, avals, avecs`` (Kronecker) or
+        ``diag`` (diagonal)."""
+        return [self._block(p) for p in self._blocks]
+
+    def _set_blocks(self, blocks: list[dict[str, torch.Tensor]]) -> None:
+        for prefix in self._blocks:
+            for key in [k for k in self._buffers if k.startswith(prefix + "_")]:
+                del self._buffers[key]
+        self._blocks = []
+        for i, block in enumerate(blocks):
+            prefix = f"b{i}"
+            for key, value in block.items():
+                self.register_buffer(f"{prefix}_{key}", value)
+            self._blocks.append(prefix)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        """Make the blocks the state holds (their number and shapes come with it)."""
+        names = sorted(
+            {k[len(prefix):].split("_")[0] for k in state_dict if k.startswith(prefix + "b")},
+            key=lambda s: int(s[1:]),
+        )
+        blocks = []
+        for name in names:
+            keys = [k for k in state_dict if k.startswith(f"{prefix}{name}_")]
+            blocks.append({k[len(prefix) + len(name) + 1:]: torch.empty_like(state_dict[k]) for k in keys})
+        self._set_blocks(blocks)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    # ------------------------------------------------------------------ building
+
+    def fit_curvature(self, evaluator, t: torch.Tensor, **kwargs: object) -> None:
+        """K-FAC factors at ``w = ŵ + P t`` over the evaluator's data (one pass,
+        `curvature.kfac`), eigendecomposed per block."""
+        factors = self.factors(evaluator, t)
+        self.temperature.fill_(evaluator.temperature)
+        self.num_data.fill_(float(factors.num_data))
+        self._set_blocks(self._eigen_blocks(factors, evaluator.model.subspace))
+
+    def factors(self, evaluator, t: torch.Tensor) -> KronFactors:
+        """`curvature.kfac` of the model's network at ``w = ŵ + P t`` over the modules that own
+        the subspace's coordinates (the network's weights are put back afterwards)."""
+        model, data = evaluator.model, evaluator.data
+        sub, flat = model.subspace, model.flat
+        basis = _basis(sub)
+        owners = _owning_modules(flat.net, basis)
+        w0 = flat.vector().detach().clone()
+        x = data.loader if data.loader is not None else data.x
+        try:
+            flat.load_vector(sub.weights(t).detach().to(w0))
+            with eval_mode(flat.net):
+                return kfac(
+                    flat.net, model.likelihood, x, modules=owners, fisher=self.fisher,
+                    conv=self.conv, bias=self.bias, chunk_size=data.chunk_size,
+                    generator=self.seed, mc_samples=self.mc_samples, dtype=torch.float64,
+                )  # fmt: skip
+        finally:
+            flat.load_vector(w0)
+
+    def _eigen_blocks(self, factors: KronFactors, sub) -> list[dict[str, torch.Tensor]]:
+        basis = _basis(sub).to(factors.index.device)
+        order = torch.argsort(basis)
+        local = lambda idx: order[torch.searchsorted(basis[order], idx)]  # noqa: E731
+        blocks, covered = [], 0
+        for block in factors.blocks:
+            idx = block.index.to(basis.device)
+            inside = torch.isin(idx, basis)
+            if not bool(inside.any()):
+                continue
+            if not bool(inside.all()):
+                raise ValueError(
+                    "hessian_structure: 'kron' needs a subspace made of whole parameter tensors "
+                    f"(it holds part of {block.module}'s {', '.join(block.params)}); use "
+                    "subset_of_weights='last_layer'/'all' or hessian_structure='full'/'diag'"
+                )
+            covered += idx.numel()
+            out = {"pos": local(idx).to(self.prior_diagonal.device)}
+            if block.kind == "diagonal":
+                out["diag"] = block.diagonal.double().clamp_min(0)
+            else:
+                g = block.G.double()
+                a = block.A.double() if block.A is not None else g.new_ones(1, 1)
+                out["gvals"], out["gvecs"] = _eigh(g)
+                out["avals"], out["avecs"] = _eigh(a)
+            blocks.append({k: v.to(self.prior_diagonal.device) for k, v in out.items()})
+        if covered != self.dim:
+            raise ValueError(
+                "hessian_structure: 'kron' needs a subspace made of whole parameter tensors of "
+                "the network; this one is not (use hessian_structure='full' or 'diag')"
+            )
+        return blocks
+
+    def scale_curvature_(self, c: float) -> None:
+        for block in self.blocks():
+            (block["gvals"] if "gvals" in block else block["diag"]).mul_(c)
+
+    def set_prior(self, prior: PriorPrecision) -> None:
+        lam = prior.diagonal().detach().to(torch.float64).expand(self.dim)
+        check_positive(lam, "prior precision")
+        self._block_lambdas(lam)  # one λ per Kronecker block: checked before it is kept
+        self.prior_diagonal.copy_(lam)
+
+    def _block_lambdas(self, lam: torch.Tensor) -> list[torch.Tensor]:
+        """Per block, its ``λ``: 0-d for a Kronecker block (refused unless constant over it),
+        per coordinate for a diagonal one."""
+        out = []
+        for block in self.blocks():
+            values = lam[block["pos"]]
+            if "diag" in block:
+                out.append(values)
+                continue
+            if bool((values.detach() != values.detach()[0]).any()):
+                raise ValueError(
+                    "prior_precision: a Kronecker block needs one λ over each parameter tensor "
+                    "(a scalar, or prior_structure='layerwise'); a per-weight λ is exact only on "
+                    "hessian_structure='full' or 'diag'"
+                )
+            out.append(values[0])
+        return out
+
+    # ------------------------------------------------------------------ eigenvalues
+
+    def _eigenvalues(self, block, lam, scale=1.0) -> torch.Tensor:
+        """``m`` of one block: ``(out, in)`` for a Kronecker block, ``(n,)`` for a diagonal one."""
+        t = float(self.temperature)
+        if "diag" in block:
+            return scale * block["diag"] / t + lam
+        g, a = block["gvals"], block["avals"]
+        if self.damping == "ritter":
+            n = float(self.num_data)
+            root = lam.sqrt()
+            return (scale * g / (t * math.sqrt(n)) + root)[:, None] * (math.sqrt(n) * a + root)[None, :]
+        return scale * g[:, None] * a[None, :] / t + lam
+
+    def _prior_eigenvalues(self) -> list[torch.Tensor]:
+        lams = self._block_lambdas(self.prior_diagonal)
+        return [self._eigenvalues(b, lam) for b, lam in zip(self.blocks(), lams)]
+
+    def log_det(self, prior: PriorPrecision, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+        """``Σ_blocks Σ log m`` (``O(D)`` per ``λ``, differentiable in ``λ`` and the scale)."""
+        lam = prior.diagonal().expand(self.dim)
+        total = lam.new_zeros(())
+        for block, lb in zip(self.blocks(), self._block_lambdas(lam)):
+            m = self._eigenvalues(block, lb, scale)
+            check_positive(m.detach(), "posterior precision")
+            total = total + m.log().sum()
+        return total
+
+    # ------------------------------------------------------------------ draws and moments
+
+    def _rotate(self, block, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """``(Q_G ⊗ Q_A)ᵀ x`` (or ``(Q_G ⊗ Q_A) x`` with ``inverse``) for ``x`` ``(..., out·in)``
+        (row-major ``vec``): ``Q_Gᵀ X Q_A``."""
+        qg, qa = block["gvecs"], block["avecs"]
+        x = x.reshape(*x.shape[:-1], qg.shape[0], qa.shape[0])
+        if inverse:
+            y = qg @ x @ qa.T
+        else:
+            y = qg.T @ x @ qa
+        return y.reshape(*y.shape[:-2], -1)
+
+    def _apply(self, v: torch.Tensor, power: float) -> torch.Tensor:
+        """``Σ^{-power}``-like: ``(Q_G ⊗ Q_A) diag(m^power) (Q_G ⊗ Q_A)ᵀ v`` per block for
+        ``v`` ``(..., K)`` (``power = −1``: ``Σ v``; ``1``: ``Σ⁻¹ v``)."""
+        out = torch.zeros_like(v, dtype=torch.float64)
+        v = v.double()
+        for block, m in zip(self.blocks(), self._prior_eigenvalues()):
+            pos = block["pos"]
+            if "diag" in block:
+                out[..., pos] = v[..., pos] * m.pow(power)
+            else:
+                z = self._rotate(block, v[..., pos]) * m.reshape(-1).pow(power)
+                out[..., pos] = self._rotate(block, z, inverse=True)
+        return out
+
+    def draw(self, eps: torch.Tensor) -> torch.Tensor:
+        """``F ε``, ``F = (Q_G ⊗ Q_A) diag(m^{-1/2})`` per block (``F Fᵀ = Σ``)."""
+        out = torch.zeros_like(eps, dtype=torch.float64)
+        eps = eps.double()
+        for block, m in zip(self.blocks(), self._prior_eigenvalues()):
+            pos = block["pos"]
+            if "diag" in block:
+                out[..., pos] = eps[..., pos] * m.rsqrt()
+            else:
+                out[..., pos] = self._rotate(block, eps[..., pos] * m.reshape(-1).rsqrt(), inverse=True)
+        return out
+
+    def _dense(self, power: float | None) -> torch.Tensor:
+        if self.dim > DENSE_LIMIT:
+            raise ValueError(
+                f"hessian_structure='kron': a dense ({self.dim}, {self.dim}) matrix is not formed "
+                f"above {DENSE_LIMIT} coordinates; use marginal_variance(), functional_covariance"
+                "(J) or draws"
+            )
+        eye = torch.eye(self.dim, dtype=torch.float64, device=self.prior_diagonal.device)
+        if power is None:  # the curvature: m = g a (untempered)
+            out = torch.zeros_like(eye)
+            for block in self.blocks():
+                pos = block["pos"]
+                if "diag" in block:
+                    out[pos, pos] = block["diag"]
+                else:
+                    m = (block["gvals"][:, None] * block["avals"][None, :]).reshape(-1)
+                    z = self._rotate(block, eye[pos][:, pos]) * m
+                    out[pos[:, None], pos[None, :]] = self._rotate(block, z, inverse=True)
+            return out
+        return self._apply(eye, power)
+
+    def covariance(self) -> torch.Tensor:
+        return self._dense(-1.0)
+
+    def precision(self) -> torch.Tensor:
+        return self._dense(1.0)
+
+    def curvature(self) -> torch.Tensor:
+        return self._dense(None)
+
+    def posterior_precision(self):
+        """Per block ``(pos, (g, Q_G), (a, Q_A), m)`` or ``(pos, m)`` for a diagonal block: the
+        eigendecomposed form laplace-torch's ``KronLaplace.posterior_precision`` returns."""
+        out = []
+        for block, m in zip(self.blocks(), self._prior_eigenvalues()):
+            if "diag" in block:
+                out.append((block["pos"], m))
+            else:
+                g, a = (block["gvals"], block["gvecs"]), (block["avals"], block["avecs"])
+                out.append((block["pos"], g, a, m))
+        return out
+
+    def marginal_variance(self) -> torch.Tensor:
+        out = torch.zeros(self.dim, dtype=torch.float64, device=self.prior_diagonal.device)
+        for block, m in zip(self.blocks(), self._prior_eigenvalues()):
+            pos = block["pos"]
+            if "diag" in block:
+                out[pos] = m.reciprocal()
+            else:
+                qg2, qa2 = block["gvecs"].square(), block["avecs"].square()
+                out[pos] = (qg2 @ m.reciprocal() @ qa2.T).reshape(-1)
+        return out
+
+    def functional_covariance(self, jp: torch.Tensor) -> torch.Tensor:
+        """``J Σ Jᵀ = Σ_blocks J̃ diag(1/m) J̃ᵀ`` with ``J̃ = J_block (Q_G ⊗ Q_A)`` (each layer's
+        Jacobian block rotated into its eigenbasis; no ``K × K`` matrix), ``(n, O, O)``."""
+        jp64 = jp.double()
+        out = jp64.new_zeros(jp.shape[0], jp.shape[1], jp.shape[1])
+        for block, m in zip(self.blocks(), self._prior_eigenvalues()):
+            jb = jp64[..., block["pos"]]
+            if "diag" in block:
+                out += torch.einsum("nok,k,npk->nop", jb, m.reciprocal(), jb)
+            else:
+                jr = self._rotate(block, jb)
+                out += torch.einsum("nok,k,npk->nop", jr, m.reshape(-1).reciprocal(), jr)
+        return out.to(jp.dtype)
+
+    def functional_variance(self, jp: torch.Tensor) -> torch.Tensor:
+        jp64 = jp.double()
+        out = jp64.new_zeros(jp.shape[0], jp.shape[1])
+        for block, m in zip(self.blocks(), self._prior_eigenvalues()):
+            jb = jp64[..., block["pos"]]
+            jr = jb if "diag" in block else self._rotate(block, jb)
+            out += jr.square() @ m.reshape(-1).reciprocal()
+        return out.to(jp.dtype)
+
+    def feature_covariance(
+        self, phi: torch.Tensor, rows: torch.Tensor, diagonal: bool = False
+    ) -> torch.Tensor:
+        """A last layer in closed form, no ``CP × CP`` matrix: for the weight block
+        (``pos`` = ``rows[:, j0:j0+in]``) ``J Σ Jᵀ[n] = Q_G diag(v_n) Q_Gᵀ`` with
+        ``v_n = (1/m) (Q_Aᵀ φ̃_n)²``; a bias block (``A = [1]``, ``pos = rows[:, j]``) adds
+        ``φ̃_nj² Σ_b``; a diagonal block ``Σ_p φ̃_p² var``. Other layouts take the default."""
+        n, c = phi.shape[0], rows.shape[0]
+        phi64 = phi.double()
+        out = phi64.new_zeros(n, c, c)
+        for block, m in zip(self.blocks(), self._prior_eigenvalues()):
+            pos = block["pos"]
+            if "diag" in block:
+                var = torch.zeros(self.dim, dtype=torch.float64, device=pos.device)
+                var[pos] = m.reciprocal()
+                out += torch.diag_embed(torch.einsum("np,cp->nc", phi64.square(), var[rows]))
+                continue
+            qg, qa = block["gvecs"], block["avecs"]
+            cols = _columns(rows, pos.reshape(qg.shape[0], qa.shape[0]), self.dim)
+            if cols is None:
+                return super().feature_covariance(phi, rows, diagonal)
+            proj = phi64[:, cols] @ qa  # (n, in): Q_Aᵀ φ̃
+            v = proj.square() @ m.reciprocal().T  # (n, out)
+            out += torch.einsum("ck,nk,dk->ncd", qg, v, qg)
+        out = out.to(phi.dtype)
+        return torch.diag_embed(out.diagonal(dim1=-2, dim2=-1)) if diagonal else out
+
+    # ------------------------------------------------------------------ the MAP search
+
+    def newton_step(self, evaluator, t: torch.Tensor, grad: torch.Tensor, prior: PriorPrecision):
+        """``Σ_t ∇`` with the K-FAC posterior at ``t`` (no dense ``PᵀGP``)."""
+        other = copy.deepcopy(self)
+        other.fit_curvature(evaluator, t)
+        other.set_prior(prior.diagonalised())
+        return other._apply(grad, -1.0).to(grad)
+
+    def newton_decrement(self, grad: torch.Tensor) -> float:
+        g = grad.double()
+        return float((g * self._apply(g, -1.0)).sum().clamp_min(0).sqrt())
+
+
+def _eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    values, vectors = torch.linalg.eigh((m + m.T) / 2)
+    return values.clamp_min(0), vectors
+
+
+def _basis(sub) -> torch.Tensor:
+    basis = getattr(sub, "basis", None)
+    if basis is None or basis.dtype not in (torch.int64, torch.int32) or basis.dim() != 1:
+        raise ValueError(
+            f"hessian_structure: 'kron' needs a subset of weights (an index subspace), not a "
+            f"{type(sub).__name__}; use hessian_structure='full', 'diag' or 'lowrank'"
+        )
+    return basis.long()
+
+
+def _owning_modules(net: torch.nn.Module, basis: torch.Tensor) -> list[str]:
+    """The names of the modules whose own parameters hold any of the flat indices ``basis``."""
+    hit = torch.zeros(sum(p.numel() for p in net.parameters()), dtype=torch.bool)
+    hit[basis.cpu()] = True
+    owners, at = [], 0
+    seen: dict[int, str] = {}
+    for name, module in net.named_modules():
+        for p in module.parameters(recurse=False):
+            seen.setdefault(id(p), name)
+    for p in net.parameters():
+        if bool(hit[at : at + p.numel()].any()) and seen[id(p)] not in owners:
+            owners.append(seen[id(p)])
+        at += p.numel()
+    return owners
+
+
+def _columns(rows: torch.Tensor, pos: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """The feature columns ``j`` ``(in,)`` with ``rows[:, j] == pos[:, i]`` for every column
+    ``i`` of ``pos`` ``(C, in)``, or ``None`` when the block is not laid out as a last layer's
+    (``O(K)``: the row and column of each coordinate from one scatter)."""
+    c, p = rows.shape
+    if pos.shape[0] != c:
+        return None
+    row_of = torch.full((dim,), -1, dtype=torch.long, device=rows.device)
+    col_of = torch.full((dim,), -1, dtype=torch.long, device=rows.device)
+    row_of[rows] = torch.arange(c, device=rows.device)[:, None].expand(c, p)
+    col_of[rows] = torch.arange(p, device=rows.device)[None, :].expand(c, p)
+    cols = col_of[pos[0]]
+    same_col = bool((col_of[pos] == cols[None, :]).all())
+    same_row = bool((row_of[pos] == torch.arange(c, device=rows.device)[:, None]).all())
+    return cols if same_col and same_row and bool((cols >= 0).all()) else None
