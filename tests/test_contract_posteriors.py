@@ -2,11 +2,17 @@
 
 import pytest
 import torch
-from contracts.posterior import BasePosteriorTestCase
+from contracts.posterior import TEMPERATURE, BasePosteriorTestCase, K
+from torch import nn
 
+from pyro_subspace import FlatNet, SubspaceNet, likelihoods
+from pyro_subspace.curvature import kfac
+from pyro_subspace.flat import eval_mode
+from pyro_subspace.infer.laplace import all_weights
 from pyro_subspace.infer.laplace.posteriors import (
     DiagonalPosterior,
     FullPosterior,
+    KronPosterior,
     LowRankPosterior,
 )
 
@@ -72,3 +78,53 @@ class TestLowRankPosterior(BasePosteriorTestCase):
         values, vectors = torch.linalg.eigh(c)
         values, vectors = values.flip(0)[: self.rank], vectors.flip(1)[:, : self.rank]
         return (vectors * values) @ vectors.T
+
+
+class TestKronPosterior(BasePosteriorTestCase):
+    """``nn.Linear(2, 2)`` with a bias on 9 points, Categorical likelihood at ``T = 2``:
+    ``K = 6`` coordinates in two Kronecker blocks (the weight, ``G ⊗ A`` with ``(2, 2)``
+    factors, and the bias, ``G_b``); ``C̃`` is `curvature.kfac`'s dense blocks. One ``λ`` per
+    parameter tensor (a per-weight ``λ`` is refused by this structure)."""
+
+    per_coordinate = (0.5, 0.5, 0.5, 0.5, 2.0, 2.0)
+
+    def create_posterior(self, k):
+        return KronPosterior(k)
+
+    def prior(self, kind):
+        if kind == "dense_gram":
+            pytest.skip("kron: index subspaces of whole parameter tensors only (PᵀP = I)")
+        return super().prior(kind)
+
+    def fit_posterior(self, post, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        net = nn.Linear(2, 2).double()
+        with torch.no_grad():
+            for p in net.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
+        x = torch.randn(9, 2, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 2, (9,), generator=gen)
+        lik = likelihoods.Categorical()
+        model = SubspaceNet(net, all_weights(net), lik, temperature=TEMPERATURE)
+        post.fit_curvature(model.evaluator(x, y), torch.zeros(K, dtype=torch.float64))
+        return kfac(net, lik, x, dtype=torch.float64).to_dense()
+
+    def test_curvature_is_the_dense_ggn_of_the_subspace(self):
+        """Where K-FAC is exact, on one data point, the ``nn.Linear`` blocks of an MLP equal the
+        exact GGN's (brute-force ``Jᵀ H J``) per parameter tensor; the cross blocks are 0."""
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 3)).double()  # D = 27
+        flat = FlatNet(net)
+        lik = likelihoods.Categorical()
+        model = SubspaceNet(net, all_weights(net), lik)
+        x = torch.randn(1, 2, dtype=torch.float64)
+        post = self.create_posterior(model.rank)
+        post.fit_curvature(model.evaluator(x, torch.zeros(1, dtype=torch.long)), torch.zeros(27).double())
+        w = flat.vector()
+        with eval_mode(net):
+            j = torch.autograd.functional.jacobian(lambda ww: flat(ww, x), w)
+            h = lik.output_hessian(flat(w, x))
+        ggn = torch.einsum("nok,nop,npj->kj", j, h, j)
+        owner = torch.cat([torch.full((p.numel(),), i) for i, p in enumerate(net.parameters())])
+        same = owner[:, None] == owner[None, :]
+        torch.testing.assert_close(post.curvature(), ggn * same, rtol=1e-10, atol=1e-12)

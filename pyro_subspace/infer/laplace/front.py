@@ -60,6 +60,8 @@ def Laplace(
     chunk_size: int = 1024,
     rank: int | None = None,
     rescale_prior: bool | None = None,
+    damping: bool = False,
+    structure_options: dict | None = None,
     **strategy_kwargs: object,
 ) -> NetLaplace:
     """A linearised Laplace approximation of ``net`` at its current weights (the MAP).
@@ -72,8 +74,10 @@ def Laplace(
             as in laplace-torch), ``"subnetwork"`` (``n_params`` weights chosen by
             `subspaces.subnetwork` with ``strategy`` and ``strategy_kwargs``), a 1-D tensor of
             flat indices, or any `Subspace`.
-        hessian_structure: ``"full"``, ``"diag"`` or ``"lowrank"`` (the top-``rank`` GGN
-            eigenpairs by Lanczos plus the prior ``λ I`` as the isotropic remainder).
+        hessian_structure: ``"full"``, ``"diag"``, ``"lowrank"`` (the top-``rank`` GGN
+            eigenpairs by Lanczos plus the prior ``λ I`` as the isotropic remainder) or
+            ``"kron"`` (K-FAC, laplace-torch's default; for ``"last_layer"``, ``"all"`` and any
+            subset made of whole parameter tensors, `posteriors.KronPosterior`).
         n_params: ``K``, how many weights ``"subnetwork"`` selects (required there; an error
             with any other ``subset_of_weights``).
         strategy: `subspaces.subnetwork`'s selection, only with ``"subnetwork"``:
@@ -94,6 +98,13 @@ def Laplace(
             ``False`` otherwise (laplace-torch's convention, also for flat indices). A later
             ``optimize_prior_precision`` tunes the precision in use.
         temperature: ``T`` of the likelihood.
+        damping: laplace-torch's ``KronLaplace`` keyword: ``False`` only (laplace-torch 0.3
+            drops ``damping=True`` when it forms the posterior precision, so a ported script
+            meant the undamped posterior; ``True`` raises saying so). Ritter et al.'s damped
+            factors are ``structure_options={"damping": "ritter"}``.
+        structure_options: the structure's options (`posteriors.OPTIONS`; for ``"kron"``:
+            ``fisher`` ``"type-2"``/``"mc"``, ``conv`` ``"expand"``/``"reduce"``/``"backpack"``,
+            ``bias`` ``"separate"``/``"augment"``, `posteriors.KronPosterior`).
 
     Returns:
         An unfitted `NetLaplace` (an `AutoSubspaceLaplace` whose ``fit`` takes the network's
@@ -106,7 +117,16 @@ def Laplace(
     check_likelihood(likelihood)
     prior_precision = float(ck.prior_precision(prior_precision, 1))
     check_temperature(temperature)
-    check_structure(hessian_structure, rank), ck.positive_int(chunk_size, "chunk_size")
+    ck.choice(damping, "damping", (True, False))
+    if damping:  # never accepted and then ignored, nor silently a different posterior
+        raise ValueError(
+            "damping: laplace-torch 0.3's KronLaplace(damping=True) keeps the undamped posterior "
+            "(KronDecomposed.__mul__ drops the flag when the Hessian factor is applied), so its "
+            "scripts get hessian_structure='kron' without damping here too; for Ritter et al.'s "
+            "damped factors pass structure_options={'damping': 'ritter'}"
+        )
+    check_structure(hessian_structure, rank, structure_options)
+    ck.positive_int(chunk_size, "chunk_size")
     selected = isinstance(subset_of_weights, str) and subset_of_weights == "subnetwork"
     if rescale_prior is not None:
         ck.choice(rescale_prior, "rescale_prior", (True, False))
@@ -163,8 +183,9 @@ def Laplace(
         prior_precision = prior_precision * sub.rank / sub.dim
     model.set_prior_precision(prior_precision)
     guide = AutoSubspaceLaplace(
-        model, hessian_structure=hessian_structure, chunk_size=chunk_size, rank=rank
-    )
+        model, hessian_structure=hessian_structure, chunk_size=chunk_size, rank=rank,
+        structure_options=structure_options,
+    )  # fmt: skip
     return NetLaplace(guide, subset_of_weights)
 
 
