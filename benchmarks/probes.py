@@ -318,7 +318,7 @@ def build() -> None:
         lambda: infer.AutoSubspaceLaplace(reg_net()),
     )
 
-    data_probes("infer.Laplace(...).fit", lambda x, y: infer.Laplace(reg_net(), gauss).fit(x, y))
+    data_probes("infer.Laplace(...).fit", lambda x, y: infer.Laplace(reg_net(), gauss, hessian_structure="full").fit(x, y))
     for what, kw, arg in [
         ("prior_precision 0", {"prior_precision": 0.0}, "prior_precision"),
         ("temperature -1", {"temperature": -1.0}, "temperature"),
@@ -536,7 +536,7 @@ def build() -> None:
         ("strategy without a subnetwork", {"strategy": "random"}, "strategy"),
     ]:
         probe("infer.Laplace(...)", what, arg, lambda kw=kw: infer.Laplace(cls_net(), cat, **kw))
-    la_c = infer.Laplace(cls_net(), cat).fit(X, YC)
+    la_c = infer.Laplace(cls_net(), cat, hessian_structure="full").fit(X, YC)
     for what, method, kw, arg in [
         ("grid with optimize_sigma", "grid", {"x_val": X, "y_val": YC, "optimize_sigma": True}, "optimize_sigma"),
         ("marglik with max_iter 0", "marglik", {"max_iter": 0}, "max_iter"),
@@ -572,7 +572,7 @@ def build() -> None:
     squashed = hook(nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1), nn.Tanh()))
     probe(
         "infer.Laplace(...)", "last layer followed by Tanh", "net",
-        lambda: infer.Laplace(squashed, gauss, "last_layer"),
+        lambda: infer.Laplace(squashed, gauss, "last_layer", hessian_structure="full"),
     )  # fmt: skip
     from pyro_subspace.convert import tempered_loo
 

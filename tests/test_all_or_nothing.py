@@ -80,7 +80,7 @@ def test_an_interrupted_tuning_leaves_the_prior_noise_and_posterior_as_they_were
     net = nn.Sequential(nn.Linear(2, 6), nn.Tanh(), nn.Linear(6, 1)).double()
     x = torch.randn(40, 2, dtype=torch.float64)
     y = torch.sin(x[:, 0]) + 0.1 * torch.randn(40, dtype=torch.float64)
-    la = Laplace(net, likelihoods.Gaussian(0.5), "all", prior_precision=0.7).fit(x, y)
+    la = Laplace(net, likelihoods.Gaussian(0.5), "all", prior_precision=0.7, hessian_structure="full").fit(x, y)
     before, model_before = _state(la), _state(la.model)
     # the search rescaled the GGN and wrote σ, then was interrupted while setting λ and Σ
     monkeypatch.setattr(
@@ -170,7 +170,7 @@ def test_a_last_linear_layer_that_is_not_the_output_is_refused(kind):
     if kind == "sequential":  # seen without data, at construction
         net = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 1), nn.Tanh()).double()
         with pytest.raises(ValueError, match="not the network's output.*names"):
-            Laplace(net, likelihoods.Gaussian(0.3), "last_layer")
+            Laplace(net, likelihoods.Gaussian(0.3), "last_layer", hessian_structure="full")
         return
 
     class Squashed(nn.Module):  # the forward order is known only from a forward pass
@@ -182,13 +182,13 @@ def test_a_last_linear_layer_that_is_not_the_output_is_refused(kind):
             return torch.tanh(self.head(torch.relu(self.body(x))))
 
     net = Squashed().double()
-    la = Laplace(net, likelihoods.Gaussian(0.3), "last_layer")
+    la = Laplace(net, likelihoods.Gaussian(0.3), "last_layer", hessian_structure="full")
     with pytest.raises(ValueError, match="not the network's output"):
         la.fit(x, y)
     assert not la.fitted
     # what the message suggests: a subnetwork of the head's indices, the exact Jacobian
     sub = subspaces.subnetwork(net, strategy="names", names=["head"])
-    la = Laplace(net, likelihoods.Gaussian(0.3), sub, prior_precision=0.5).fit(x, y)
+    la = Laplace(net, likelihoods.Gaussian(0.3), sub, prior_precision=0.5, hessian_structure="full").fit(x, y)
     _, var = linearized_moments(la, x)
     jac = torch.autograd.functional.jacobian(
         lambda v: SubspaceNet(net, sub, likelihoods.Gaussian(0.3)).outputs(v, x).reshape(-1),
@@ -202,8 +202,8 @@ def test_a_last_linear_layer_that_is_not_the_output_is_refused(kind):
 def test_pass_through_modules_after_the_last_layer_are_accepted():
     net, x, y = classifier()
     wrapped = nn.Sequential(net, nn.Dropout(0.1), nn.Identity())
-    a = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=0.7).fit(x, y)
-    b = Laplace(wrapped, likelihoods.Categorical(), "last_layer", prior_precision=0.7).fit(x, y)
+    a = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=0.7, hessian_structure="full").fit(x, y)
+    b = Laplace(wrapped, likelihoods.Categorical(), "last_layer", prior_precision=0.7, hessian_structure="full").fit(x, y)
     torch.testing.assert_close(a.posterior_covariance, b.posterior_covariance, rtol=0, atol=0)
 
 
@@ -213,7 +213,7 @@ def test_pass_through_modules_after_the_last_layer_are_accepted():
 def test_weights_loaded_after_construction_are_the_ones_fitted():
     net, x, y = classifier(0)
     trained, _, _ = classifier(1)  # a "checkpoint" loaded between Laplace(...) and fit
-    la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=0.7)
+    la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=0.7, hessian_structure="full")
     net.load_state_dict(trained.state_dict())
     la.fit(x, y)
     mean, _ = linearized_moments(la, x)
@@ -222,7 +222,7 @@ def test_weights_loaded_after_construction_are_the_ones_fitted():
     expected = brute_force_covariance(trained, x, torch.arange(d - 21, d), 0.7)
     torch.testing.assert_close(la.posterior_covariance, expected, rtol=1e-9, atol=1e-12)
     # the prior's mean (zero weights) in the new coordinates: the evidence of the new weights
-    fresh = Laplace(trained, likelihoods.Categorical(), "last_layer", prior_precision=0.7)
+    fresh = Laplace(trained, likelihoods.Categorical(), "last_layer", prior_precision=0.7, hessian_structure="full")
     fresh.fit(x, y)
     torch.testing.assert_close(la.log_marginal_likelihood(), fresh.log_marginal_likelihood())
     torch.testing.assert_close(la.model.prior_loc, fresh.model.prior_loc, rtol=0, atol=0)

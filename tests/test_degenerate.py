@@ -84,7 +84,7 @@ def test_laplace_refuses_subnetwork_keywords_without_a_subnetwork():
 
 def test_tuning_refuses_keywords_its_method_does_not_use():
     net, x, y = classifier()
-    la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=0.7).fit(x, y)
+    la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=0.7, hessian_structure="full").fit(x, y)
     lam = float(la.prior_precision)
     cases = [
         ("grid", {"x_val": x, "y_val": y, "optimize_sigma": True}, "optimize_sigma: not used"),

@@ -142,7 +142,7 @@ def _setup_run_chains():
 def _setup_laplace(with_generator):
     x, y = _data()
     with rng.seeded(0):
-        la = Laplace(_net(), likelihoods.Categorical(), "last_layer").fit(x, y)
+        la = Laplace(_net(), likelihoods.Categorical(), "last_layer", hessian_structure="full").fit(x, y)
     if with_generator:
         return lambda: la.sample(4, torch.Generator().manual_seed(0))
     return lambda: la.sample(4)
@@ -217,7 +217,7 @@ def _setup_patched_net():
 def _setup_linearized_mc():
     x, y = _data()
     with rng.seeded(0):
-        la = Laplace(_net(), likelihoods.Categorical(), "last_layer").fit(x, y)
+        la = Laplace(_net(), likelihoods.Categorical(), "last_layer", hessian_structure="full").fit(x, y)
     from pyro_subspace.infer import linearized_predictive
 
     return lambda: linearized_predictive(la.guide, x, link_approx="mc", num_samples=20, seed=3)

@@ -47,7 +47,7 @@ def test_fit_is_at_the_networks_weights_like_laplace_torch():
     # the net was not trained with weight decay λ/N, so the MAP of this posterior is elsewhere:
     # the default fit keeps t* = 0 (the predictive mean is net(x)); find_map=True moves it
     net, x, y = classifier()
-    la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=LAM).fit(x, y)
+    la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=LAM, hessian_structure="full").fit(x, y)
     assert torch.equal(la.loc, torch.zeros_like(la.loc))
     mean, _ = linearized_moments(la, x)
     torch.testing.assert_close(mean, net(x).detach(), rtol=0, atol=1e-12)
@@ -55,21 +55,21 @@ def test_fit_is_at_the_networks_weights_like_laplace_torch():
     last = torch.arange(d - 21, d)  # the 6 x 3 weights and 3 biases of the last layer
     expected = brute_force_covariance(net, x, last, LAM)
     torch.testing.assert_close(la.posterior_covariance, expected, rtol=1e-9, atol=1e-12)
-    moved = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=LAM)
+    moved = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=LAM, hessian_structure="full")
     assert float(moved.fit(x, y, find_map=True).loc.abs().max()) > 1e-2
 
 
 def test_all_weights_leaves_frozen_parameters_out():
     net, x, y = classifier()
     net[0].weight.requires_grad_(False)  # the first 18 of the 45 weights frozen
-    la = Laplace(net, likelihoods.Categorical(), "all", prior_precision=LAM).fit(x, y)
+    la = Laplace(net, likelihoods.Categorical(), "all", prior_precision=LAM, hessian_structure="full").fit(x, y)
     assert la.n_params == 45 - 18
     trainable = torch.arange(18, 45)
     expected = brute_force_covariance(net, x, trainable, LAM)
     torch.testing.assert_close(la.posterior_covariance, expected, rtol=1e-8, atol=1e-11)
     net[0].bias.requires_grad_(False), net[2].requires_grad_(False)
     with pytest.raises(ValueError, match="requires_grad=False"):
-        Laplace(net, likelihoods.Categorical(), "all")
+        Laplace(net, likelihoods.Categorical(), "all", hessian_structure="full")
 
 
 @pytest.mark.parametrize("structure", ["full", "diag", "lowrank"])
@@ -94,7 +94,7 @@ def test_laplace_torch_attribute_names(structure):
 
 def test_prior_precision_takes_tensors_and_numpy_scalars_and_its_setter_refits():
     net, x, y = classifier()
-    make = lambda lam: Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=lam)
+    make = lambda lam: Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=lam, hessian_structure="full")
     ref = make(1.3).fit(x, y).posterior_covariance
     for lam in (torch.tensor(1.3, dtype=torch.float64), np.float64(1.3), np.float32(1.3)):
         got = make(lam).fit(x, y).posterior_covariance
@@ -109,15 +109,15 @@ def test_nothing_is_accepted_and_then_ignored():
     net, *_ = classifier()
     lik = likelihoods.Categorical()
     with pytest.raises(TypeError, match="sigma_noise: .*Gaussian\\(sigma="):
-        Laplace(net, lik, "last_layer", sigma_noise=0.1)
+        Laplace(net, lik, "last_layer", sigma_noise=0.1, hessian_structure="full")
     with pytest.raises(TypeError, match="subnetwork_indices: .*subset_of_weights"):
-        Laplace(net, lik, "subnetwork", subnetwork_indices=torch.arange(5))
+        Laplace(net, lik, "subnetwork", subnetwork_indices=torch.arange(5), hessian_structure="full")
     with pytest.raises(TypeError, match="prior_precison"):  # a misspelling
-        Laplace(net, lik, "last_layer", prior_precison=100.0)
+        Laplace(net, lik, "last_layer", prior_precison=100.0, hessian_structure="full")
     with pytest.raises(TypeError, match="seed: unexpected keyword"):  # only with "subnetwork"
-        Laplace(net, lik, "last_layer", seed=0)
-    a = Laplace(net, lik, "subnetwork", n_params=5, strategy="random", seed=3)
-    b = Laplace(net, lik, "subnetwork", n_params=5, strategy="random", seed=3)
+        Laplace(net, lik, "last_layer", seed=0, hessian_structure="full")
+    a = Laplace(net, lik, "subnetwork", n_params=5, strategy="random", seed=3, hessian_structure="full")
+    b = Laplace(net, lik, "subnetwork", n_params=5, strategy="random", seed=3, hessian_structure="full")
     assert torch.equal(a.model.subspace.basis, b.model.subspace.basis)
 
 
@@ -125,7 +125,7 @@ def test_calling_la_predicts_and_the_pyro_guide_is_la_guide():
     from pyro.infer import Predictive
 
     net, x, y = classifier()
-    la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=LAM).fit(x, y)
+    la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=LAM, hessian_structure="full").fit(x, y)
     probs = la(x, pred_type="glm", link_approx="probit")  # laplace-torch's most common line
     torch.testing.assert_close(probs, la.predict(x, link_approx="probit").probs, rtol=0, atol=0)
     assert la.guide(x)["t"].shape == (la.n_params,)  # the Pyro guide call: one draw of t
@@ -137,7 +137,7 @@ def test_calling_la_predicts_and_the_pyro_guide_is_la_guide():
 
 def test_predict_and_tuning_take_laplace_torch_names():
     net, x, y = classifier()
-    la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=LAM).fit(x, y)
+    la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=LAM, hessian_structure="full").fit(x, y)
     probit = la.predict(x, pred_type="glm", link_approx="probit").probs
     torch.testing.assert_close(probit, la.predict(x, link_approx="probit").probs)
     with pytest.raises(ValueError, match="pred_type: only 'glm'.*la\\(x, pred_type='nn'\\)"):
@@ -152,7 +152,7 @@ def test_predict_and_tuning_take_laplace_torch_names():
     grid = torch.logspace(-2, 2, 9, dtype=torch.float64)
     la.optimize_prior_precision("grid", x_val=xv, y_val=yv, grid=grid)
     lam, scores = float(la.prior_precision), la.grid_scores.clone()
-    other = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=LAM).fit(x, y)
+    other = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=LAM, hessian_structure="full").fit(x, y)
     loader = DataLoader(TensorDataset(xv, yv), batch_size=6)
     other.optimize_prior_precision(method="gridsearch", val_loader=loader, grid=grid)
     assert float(other.prior_precision) == lam
@@ -165,25 +165,25 @@ def test_a_selected_subnetwork_gets_the_papers_rescaled_prior():
     # Subnetwork Inference, section 4 / appendix C: the K selected weights get λ_S = λ·K/D
     net, x, y = classifier()
     lik, d, k = likelihoods.Categorical(), 45, 8
-    la = Laplace(net, lik, "subnetwork", prior_precision=3.0, n_params=k, strategy="magnitude")
+    la = Laplace(net, lik, "subnetwork", prior_precision=3.0, n_params=k, strategy="magnitude", hessian_structure="full")
     la.fit(x, y)
     indices = la.model.subspace.basis.cpu()
     assert float(la.prior_precision) == pytest.approx(3.0 * k / d, rel=1e-12)
     expected = brute_force_covariance(net, x, indices, 3.0 * k / d)
     torch.testing.assert_close(la.posterior_covariance, expected, rtol=1e-9, atol=1e-12)
-    plain = Laplace(net, lik, "subnetwork", prior_precision=3.0, n_params=k, rescale_prior=False)
+    plain = Laplace(net, lik, "subnetwork", prior_precision=3.0, n_params=k, rescale_prior=False, hessian_structure="full")
     expected = brute_force_covariance(net, x, indices, 3.0)
     torch.testing.assert_close(
         plain.fit(x, y).posterior_covariance, expected, rtol=1e-9, atol=1e-12
     )
     # flat indices (laplace-torch's subnetwork_indices) keep λ as given
-    by_index = Laplace(net, lik, indices, prior_precision=3.0)
+    by_index = Laplace(net, lik, indices, prior_precision=3.0, hessian_structure="full")
     assert float(by_index.prior_precision) == 3.0
 
 
 def test_predict_takes_a_dataset_or_dataloader_of_the_inputs():
     net, x, y = classifier()
-    la = Laplace(net, likelihoods.Categorical(), "last_layer").fit(x, y)
+    la = Laplace(net, likelihoods.Categorical(), "last_layer", hessian_structure="full").fit(x, y)
     want = la.predict(x, link_approx="probit").probs
     for data in (TensorDataset(x, y), DataLoader(TensorDataset(x, y), batch_size=7)):
         assert torch.equal(la.predict(data, link_approx="probit").probs, want)
@@ -191,7 +191,7 @@ def test_predict_takes_a_dataset_or_dataloader_of_the_inputs():
 
 def test_sample_draws_like_laplace_torch_last_layer_or_all_weights():
     net, x, y = classifier()
-    la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=LAM).fit(x, y)
+    la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=LAM, hessian_structure="full").fit(x, y)
     gen = torch.Generator().manual_seed(0)
     draws = la.sample(20000, generator=gen)  # (S, K): laplace-torch's LLLaplace.sample
     w = torch.nn.utils.parameters_to_vector(net.parameters()).detach()
@@ -206,7 +206,7 @@ def test_sample_draws_like_laplace_torch_last_layer_or_all_weights():
     assert torch.equal(again, draws)
     # a subnetwork given by indices: (S, D), the subset drawn, the rest at the MAP
     indices = torch.arange(24, 45)
-    sub = Laplace(net, likelihoods.Categorical(), indices, prior_precision=LAM).fit(x, y)
+    sub = Laplace(net, likelihoods.Categorical(), indices, prior_precision=LAM, hessian_structure="full").fit(x, y)
     full = sub.sample(20000, generator=torch.Generator().manual_seed(0))
     assert full.shape == (20000, 45) and torch.equal(full[:, :24], w[:24].expand(20000, 24))
     torch.testing.assert_close(full[:, 24:], draws, rtol=0, atol=1e-12)  # the same posterior

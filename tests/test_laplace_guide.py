@@ -84,9 +84,9 @@ def test_laplace_subnetwork_by_diag_laplace_scores_with_its_own_likelihood_and_p
     expected = (1.0 / (diag_g + 3.0)).topk(7).indices.sort().values
     assert torch.equal(la.model.subspace.basis.cpu(), expected)
     with pytest.raises(ValueError, match="x_train"):
-        Laplace(net, likelihoods.Categorical(), "subnetwork", n_params=7, strategy="diag_laplace")
+        Laplace(net, likelihoods.Categorical(), "subnetwork", n_params=7, strategy="diag_laplace", hessian_structure="full")
     with pytest.raises(ValueError, match="n_params=K"):
-        Laplace(net, likelihoods.Categorical(), "subnetwork")
+        Laplace(net, likelihoods.Categorical(), "subnetwork", hessian_structure="full")
 
 
 def _split(net: nn.Module, v: torch.Tensor) -> list[torch.Tensor]:
@@ -111,7 +111,7 @@ def test_a_dataloader_gives_the_fit_of_the_tensors():
     from torch.utils.data import DataLoader, TensorDataset
 
     net, x, y = _classifier()
-    la = lambda: Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=2.0)
+    la = lambda: Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=2.0, hessian_structure="full")
     a = la().fit(x, y, find_map=True)
     loader = DataLoader(TensorDataset(x, y), batch_size=7)
     b = la().fit(loader, find_map=True)
@@ -123,9 +123,9 @@ def test_a_dataloader_gives_the_fit_of_the_tensors():
             float(a.log_marginal_likelihood()), rel=1e-10
         )
     with pytest.raises(ValueError, match="y: give either"):
-        Laplace(net, likelihoods.Categorical(), "last_layer").fit(loader, y)
+        Laplace(net, likelihoods.Categorical(), "last_layer", hessian_structure="full").fit(loader, y)
     with pytest.raises(TypeError, match="x: expected"):
-        Laplace(net, likelihoods.Categorical(), "last_layer").fit([1, 2], y)
+        Laplace(net, likelihoods.Categorical(), "last_layer", hessian_structure="full").fit([1, 2], y)
 
 
 def test_isotropic_full_evidence_from_eigenvalues_equals_the_dense_log_determinant():

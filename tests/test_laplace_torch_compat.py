@@ -186,7 +186,9 @@ def test_hyperparameter_loop_refactorises_once_not_per_call():
 
 def test_classification_defaults_marglik_and_probit():
     net, x, y = classification_problem()
-    la = Laplace(net, likelihoods.Categorical())  # laplace-torch's default subset: last layer
+    la = Laplace(net, likelihoods.Categorical())  # laplace-torch's defaults: last layer, K-FAC
+    assert la.hessian_structure == "kron" and la.guide.posterior.name == "kron"
+    la = Laplace(net, likelihoods.Categorical(), hessian_structure="full")  # dense algebra below
     la.fit(DataLoader(TensorDataset(x, y), batch_size=16))
     la.optimize_prior_precision(method="marglik", pred_type="glm", link_approx="probit")
     lam = float(la.prior_precision)
@@ -233,8 +235,8 @@ def _bridge(f, cov, normalize):
 @pytest.mark.parametrize("link", ["bridge", "bridge_norm"])
 def test_laplace_bridge(link):
     net, x, y = classification_problem()
-    la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=2.0).fit(x, y)
-    probs = la(x[:10], link_approx=link)
+    la = Laplace(net, likelihoods.Categorical(), "last_layer", "full", prior_precision=2.0)
+    probs = la.fit(x, y)(x[:10], link_approx=link)
     idx = last_layer(net, 27)
     f, f_cov, _, _ = softmax_posterior(net, x, x[:10], 2.0, idx)
     torch.testing.assert_close(probs, _bridge(f, f_cov, link == "bridge_norm"), rtol=1e-9, atol=1e-12)

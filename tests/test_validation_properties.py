@@ -240,7 +240,7 @@ def _scalar_calls():
             "lr": lambda v: ps.fit_map(net, GAUSS, X, Y, lr=v, progress=False),
             "temperature": lambda v: ps.SubspaceNet(net, model.subspace, GAUSS, temperature=v),
             "prior_scale": lambda v: ps.SubspaceNet(net, model.subspace, GAUSS, prior_scale=v),
-            "prior_precision": lambda v: infer.Laplace(net, GAUSS, prior_precision=v),
+            "prior_precision": lambda v: infer.Laplace(net, GAUSS, prior_precision=v, hessian_structure="full"),
             "sigma_init": lambda v: likelihoods.Gaussian(sigma_init=v),
             "tol": lambda v: infer.AutoSubspaceLaplace(model).fit(X, Y, tol=v),
         },

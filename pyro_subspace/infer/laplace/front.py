@@ -52,7 +52,7 @@ def Laplace(
     net: nn.Module,
     likelihood: Likelihood,
     subset_of_weights: str | torch.Tensor | Subspace = "last_layer",
-    hessian_structure: str = "full",
+    hessian_structure: str | None = None,
     prior_precision: float = 1.0,
     temperature: float = 1.0,
     n_params: int | None = None,
@@ -76,8 +76,11 @@ def Laplace(
             flat indices, or any `Subspace`.
         hessian_structure: ``"full"``, ``"diag"``, ``"lowrank"`` (the top-``rank`` GGN
             eigenpairs by Lanczos plus the prior ``λ I`` as the isotropic remainder) or
-            ``"kron"`` (K-FAC, laplace-torch's default; for ``"last_layer"``, ``"all"`` and any
-            subset made of whole parameter tensors, `posteriors.KronPosterior`).
+            ``"kron"`` (K-FAC, for ``"last_layer"``, ``"all"`` and any subset made of whole
+            parameter tensors, `posteriors.KronPosterior`). ``None``: laplace-torch's defaults,
+            ``"kron"`` for ``"last_layer"`` and ``"all"``, ``"full"`` for a subnetwork, flat
+            indices or a `Subspace` (Subnetwork Inference's method; laplace-torch's
+            ``SubnetLaplace`` has no K-FAC). ``la.hessian_structure`` says which.
         n_params: ``K``, how many weights ``"subnetwork"`` selects (required there; an error
             with any other ``subset_of_weights``).
         strategy: `subspaces.subnetwork`'s selection, only with ``"subnetwork"``:
@@ -117,6 +120,9 @@ def Laplace(
     check_likelihood(likelihood)
     prior_precision = float(ck.prior_precision(prior_precision, 1))
     check_temperature(temperature)
+    if hessian_structure is None:  # laplace-torch's default where K-FAC applies
+        whole = isinstance(subset_of_weights, str) and subset_of_weights in ("last_layer", "all")
+        hessian_structure = "kron" if whole else "full"
     ck.choice(damping, "damping", (True, False))
     if damping:  # never accepted and then ignored, nor silently a different posterior
         raise ValueError(
