@@ -170,3 +170,42 @@ def test_laplace_torch_damping_flag_is_refused_saying_what_it_does_there():
         Laplace(net, likelihoods.Categorical(), "last_layer", "kron", LAM, damping=True)
     with pytest.raises(TypeError, match="structure_options: 'damping' is not an option"):
         Laplace(net, likelihoods.Categorical(), "last_layer", "full", structure_options={"damping": "ritter"})
+
+
+def test_mola_with_kfac_members_is_the_mixture_of_their_kfac_laplaces():
+    """MoLA's Algorithm 1 (App. B.2: K-FAC in all experiments): each member's posterior is the
+    K-FAC last-layer Laplace of its network, and the mixture probit averages theirs."""
+    from pyro_subspace.infer import LastLayerLaplace, MixtureOfLaplace
+
+    nets = [classifier(seed=s)[0] for s in (0, 1)]
+    _, x, y = classifier()
+    mola = MixtureOfLaplace(nets, likelihoods.Categorical(), prior_precision=LAM, hessian_structure="kron")
+    mola.fit(x, y)
+    singles = [
+        Laplace(n, likelihoods.Categorical(), "last_layer", "kron", LAM).fit(x, y) for n in nets
+    ]
+    assert all(g.posterior.name == "kron" for _, g in mola.members)
+    want = torch.stack([la(x[:8], link_approx="probit") for la in singles]).mean(0)
+    torch.testing.assert_close(mola.predict(x[:8]).probs, want, rtol=1e-10, atol=1e-12)
+    llla = LastLayerLaplace(nets[0], likelihoods.Categorical(), prior_precision=LAM,
+                            hessian_structure="kron").fit(x, y)  # fmt: skip
+    torch.testing.assert_close(llla.predict(x[:8]).probs, singles[0](x[:8]), rtol=1e-10, atol=1e-12)
+    mola.optimize_prior_precision("confidence", x[:20], y[:20])  # the paper's tuning rule
+    assert mola.prior_precision in set(torch.logspace(-4, 4, 33, dtype=torch.float64).tolist())
+
+
+def test_auto_picks_full_under_the_budget_and_kron_above_saying_why():
+    from pyro_subspace.infer import LastLayerLaplace
+    from pyro_subspace.infer.laplace.posteriors import AUTO_BUDGET_BYTES
+
+    net, x, y = classifier()
+    small = LastLayerLaplace(net, likelihoods.Categorical(), prior_precision=LAM).fit(x, y)
+    guide = small.members[0][1]
+    assert guide.hessian_structure == "full" and "<= 256 MiB" in guide.structure_choice
+    k = int((AUTO_BUDGET_BYTES / 32) ** 0.5) + 1  # the first K above the budget
+    wide = nn.Sequential(nn.Linear(3, k - 1), nn.Tanh(), nn.Linear(k - 1, 1)).double()
+    big = LastLayerLaplace(wide, likelihoods.Bernoulli(), prior_precision=LAM)
+    big.fit(x, (y > 0).double())  # one output: K = (k - 1) + 1 weights
+    guide = big.members[0][1]
+    assert guide.model.rank == k and guide.hessian_structure == "kron"
+    assert "> 256 MiB" in guide.structure_choice

@@ -50,6 +50,7 @@ from .ensembles import (
     output_width,
 )
 from .laplace import AutoSubspaceLaplace, check_grid, linearized_moments
+from .laplace.posteriors import check_structure
 from .laplace.tuning import grid_covariances, grid_scores, select_on_grid
 
 __all__ = ["LastLayerLaplace", "MixtureOfLaplace"]
@@ -80,6 +81,13 @@ class MixtureOfLaplace(MixturePredictor):
             `AutoSubspaceLaplace`.
         temperature: ``T`` of the likelihood (1: the ordinary posterior).
         chunk_size: rows of data per Jacobian block.
+        hessian_structure: each member's posterior (`AutoSubspaceLaplace`): ``"kron"`` is the
+            paper's K-FAC (App. B.2, Algorithm 1), ``"full"`` the exact last-layer GGN,
+            ``"auto"`` (default) ``"full"`` while its ``(K, K)`` buffers fit
+            `posteriors.AUTO_BUDGET_BYTES` (a last layer of ``K ≤ 2896`` weights) and
+            ``"kron"`` above (``members[k][1].structure_choice`` says which and why); also
+            ``"diag"``, ``"lowrank"``.
+        structure_options: the structure's options (`posteriors.OPTIONS`).
 
     After `fit`: ``members`` (list of ``(SubspaceNet, AutoSubspaceLaplace)``), ``weights``
     ``(K,)`` float64, ``log_evidences`` ``(K,)``.
@@ -105,6 +113,8 @@ class MixtureOfLaplace(MixturePredictor):
         prior_mean: str = "zero",
         temperature: float = 1.0,
         chunk_size: int = 1024,
+        hessian_structure: str = "auto",
+        structure_options: dict | None = None,
     ) -> None:
         self.nets = _check_nets(nets)
         self._out_width = output_width(self.nets, "nets")  # one output space
@@ -139,6 +149,8 @@ class MixtureOfLaplace(MixturePredictor):
         if prior_mean not in ("zero", "shift"):
             raise ValueError(f"prior_mean: expected 'zero' or 'shift', got {prior_mean!r}")
         check_temperature(temperature), validation.positive_int(chunk_size, "chunk_size")
+        check_structure(hessian_structure, None, structure_options)
+        self.hessian_structure, self.structure_options = hessian_structure, structure_options
         self.subset = subset
         self.weight_rule = "fixed" if fixed is not None else weights
         self.weights = (
@@ -213,7 +225,10 @@ class MixtureOfLaplace(MixturePredictor):
             model.set_prior_precision(lam)
             # float64 posteriors: last layers are small (no speed to gain from float32), and
             # the evidence weights and the far-away bound (mola_bound) use their extremes
-            guide = AutoSubspaceLaplace(model, chunk_size=self.chunk_size, dtype=torch.float64)
+            guide = AutoSubspaceLaplace(
+                model, chunk_size=self.chunk_size, dtype=torch.float64,
+                hessian_structure=self.hessian_structure, structure_options=self.structure_options,
+            )  # fmt: skip
             guide.fit(x, y, find_map=find_map)
             members.append((model, guide))
         log_evidences, weights = self._weights_of(members)

@@ -27,7 +27,7 @@ from ...nn import SubspaceNet
 from ...nn.evaluator import Evaluator
 from ...transaction import transactional
 from .map_search import _find_map, _newton, _warn_unconverged, has_kinks, posterior_offset
-from .posteriors import Posterior, PriorPrecision, make_posterior
+from .posteriors import Posterior, PriorPrecision, make_posterior, resolve_structure
 from .predictive import linearized_predictive
 from .tuning import optimize_prior_precision
 
@@ -68,9 +68,10 @@ class AutoSubspaceLaplace(AutoContinuous):
         prior_mean: ``"shift"`` or ``"zero"``; ``None`` keeps the model's.
         rescale_prior: use ``λ_S = λ·K/D`` (Subnetwork Inference, section 4 after eq. 15
             and appendix C).
-        hessian_structure: ``"full"``, ``"diag"``, ``"lowrank"`` or ``"kron"`` (K-FAC, for a
-            subspace of whole parameter tensors): the `Posterior` the guide holds
-            (`posteriors`).
+        hessian_structure: ``"full"``, ``"diag"``, ``"lowrank"``, ``"kron"`` (K-FAC, for a
+            subspace of whole parameter tensors) or ``"auto"`` (``"full"`` while its ``(K, K)``
+            buffers fit `posteriors.AUTO_BUDGET_BYTES`, else ``"kron"``; ``structure_choice``
+            says which and why): the `Posterior` the guide holds (`posteriors`).
         chunk_size: rows of data per Jacobian block.
         rank: ``k`` of ``"lowrank"`` (top-``k`` GGN eigenpairs plus the prior as an isotropic
             remainder, `posteriors.LowRankPosterior`), ``1 <= k <= K``; default ``min(K, 10)``.
@@ -144,7 +145,8 @@ class AutoSubspaceLaplace(AutoContinuous):
             model.set_prior(prior_mean or model.prior_mean, lam)
         AutoGuide.__init__(self, model)  # the model itself: no init messenger, no params
         self.posterior: Posterior = posterior
-        self.hessian_structure = hessian_structure
+        #: the structure held (``"auto"`` resolved) and why (`posteriors.resolve_structure`)
+        self.hessian_structure, self.structure_choice = resolve_structure(hessian_structure, k)
         self.chunk_size = chunk_size
         self.rescale_prior = bool(rescale_prior)
         f64 = {"dtype": torch.float64, "device": sub.shift.device}

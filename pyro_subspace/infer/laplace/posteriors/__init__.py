@@ -30,14 +30,41 @@ POSTERIORS: dict[str, type[Posterior]] = {
 }
 #: the structures that take a ``rank``
 RANKED = ("lowrank",)
+#: ``hessian_structure="auto"`` picks ``"full"`` while its four ``(K, K)`` float64 buffers take
+#: at most this many bytes (256 MiB: ``K ≤ 2896``), else ``"kron"``: a rule of ``K`` alone,
+#: the same on every machine
+AUTO_BUDGET_BYTES = 256 * 2**20
 #: the options each structure takes (`structure_options` of the guide)
 OPTIONS = {"kron": ("fisher", "conv", "bias", "damping", "mc_samples", "seed")}
 
 
+def resolve_structure(name: str, dim: int) -> tuple[str, str]:
+    """``name`` with ``"auto"`` resolved for ``K = dim`` coordinates, and the reason (what
+    ``hessian_structure="auto"`` picked and why, for the user to read)."""
+    if name != "auto":
+        return name, f"{name!r}: asked for"
+    need = 4 * 8 * dim * dim
+    mib = f"{need / 2**20:.1f} MiB"
+    budget = f"{AUTO_BUDGET_BYTES / 2**20:.0f} MiB"
+    if need <= AUTO_BUDGET_BYTES:
+        return "full", f"'full': its four ({dim}, {dim}) float64 buffers take {mib} <= {budget}"
+    return "kron", f"'kron': the full structure's ({dim}, {dim}) buffers would take {mib} > {budget}"
+
+
 def check_structure(name: object, rank: object, options: dict | None = None) -> None:
-    """The checks of `make_posterior` that need no ``K`` (for entry points, before any work)."""
+    """The checks of `make_posterior` that need no ``K`` (for entry points, before any work);
+    ``"auto"`` is accepted (`resolve_structure`)."""
+    if name == "auto":
+        if rank is not None:
+            raise ValueError("rank: only used with hessian_structure='lowrank', got 'auto'")
+        for key in options or {}:
+            if key not in OPTIONS["kron"]:
+                raise TypeError(f"structure_options: {key!r} is not an option of 'auto' ('kron')")
+        return
     if not isinstance(name, str) or name not in POSTERIORS:
-        raise ValueError(f"hessian_structure: expected one of {tuple(POSTERIORS)}, got {name!r}")
+        raise ValueError(
+            f"hessian_structure: expected one of {tuple(POSTERIORS) + ('auto',)}, got {name!r}"
+        )
     if rank is not None and name not in RANKED:
         raise ValueError(f"rank: only used with hessian_structure='lowrank', got {name!r}")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
@@ -65,6 +92,9 @@ def make_posterior(
     ``options`` only for the structures that take them (`OPTIONS`); ``dtype`` of the buffers
     where the structure keeps the network's (``"full"``)."""
     check_structure(name, rank, options)
+    name, _ = resolve_structure(name, dim)
+    if name != "kron":
+        options = None if name == "full" else options  # auto: the kron options, if picked
     if name in RANKED:
         return POSTERIORS[name](dim, rank=rank, device=device)
     return POSTERIORS[name](dim, dtype=dtype, device=device, **(options or {}))
@@ -81,4 +111,5 @@ __all__ = [
     "PriorPrecision",
     "check_structure",
     "make_posterior",
+    "resolve_structure",
 ]
