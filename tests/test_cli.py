@@ -86,6 +86,9 @@ def test_random_subspace_with_vi_on_diabetes(tmp_path):
         (["--vi-steps", "5"], "--vi-steps only applies to --inference vi"),
         (["--laplace-prior", "fixed"], "--laplace-prior only applies to --inference laplace"),
         (["--max-iter", "50"], "--max-iter only applies to --inference laplace"),
+        (["--hessian", "diag"], "--hessian only applies to --inference laplace"),
+        (["--inference", "laplace", "--hessian", "kron"], "--hessian kron needs whole layers"),
+        (["--subspace", "last_layer", "--rank", "3"], "--rank only applies to --subspace pca"),
         (["--inference", "laplace", "--max-iter", "0"], "argument --max-iter: expected an integer"),
         (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
         (["--activation", "sigmoid"], "argument --activation: invalid choice: 'sigmoid'"),
@@ -322,3 +325,18 @@ def test_activation_and_dtype_build_the_network(tmp_path, monkeypatch):
         isinstance(m, torch.nn.ReLU) for m in net
     )
     assert all(p.dtype == torch.float64 for p in net.parameters())
+
+
+def test_kfac_laplace_over_whole_layers(tmp_path):
+    """``--hessian kron`` (the K-FAC posterior) over the last layer: the GLM predictive keeps
+    the MAP's mean (a last layer is linear in its weights) and widens its intervals; over all
+    weights the subspace holds every weight."""
+    argv = TINY + ["--dataset", "diabetes", "--temperature", "1", "--inference", "laplace"]
+    results = cli.execute(
+        argv + ["--subspace", "last_layer", "--hessian", "kron", "--out", str(tmp_path)]
+    )
+    rows = results["rows"]
+    assert rows["LAPLACE (GLM)"]["coverage95"] >= rows["MAP (SWA)"]["coverage95"]
+    assert rows["LAPLACE (GLM)"]["rmse"] == pytest.approx(rows["MAP (SWA)"]["rmse"], rel=0.05)
+    every = cli.execute(argv + ["--subspace", "all", "--hessian", "kron", "--out", str(tmp_path)])
+    assert every["rank"] > results["rank"] and all(r["nll"] < 10 for r in every["rows"].values())

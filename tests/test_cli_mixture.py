@@ -13,6 +13,7 @@ TINY = ["mixture", "--dataset", "diabetes", "--epochs", "40", "--no-progress"]
     "inference, row, extra",
     [
         ("mola", "MoLA (2 nets)", ["--members", "2", "--laplace-prior", "fixed"]),
+        ("mola", "MoLA (2 nets)", ["--members", "2", "--hessian", "kron"]),
         ("deep_ensemble", "DE (2 nets)", ["--members", "2"]),
         ("swag", "SWAG", ["--swa-epochs", "4", "--samples", "10"]),
     ],
@@ -46,6 +47,7 @@ def test_auto_prior_precision_is_n_times_the_weight_decay(tmp_path):
         (["--members", "0"], "argument --members: expected an integer >= 1"),
         (["--inference", "swag", "--members", "3"], "--members only applies to --inference mola"),
         (["--samples", "5"], "--samples only applies to --inference swag"),
+        (["--inference", "swag", "--hessian", "kron"], "--hessian only applies to --inference mola"),
         (["--inference", "deep_ensemble", "--prior-precision", "2"], "--prior-precision only"),
         (["--inference", "swag", "--swa-epochs", "1"], "--inference swag needs --swa-epochs >= 2"),
         (["--dataset", "digits"], "argument --dataset: invalid choice: 'digits'"),

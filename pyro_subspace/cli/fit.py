@@ -36,11 +36,14 @@ from ..infer import (
     GeneralizedEllipticalSliceSampler,
     linearized_predictive,
 )
+from ..infer.laplace import all_weights
 from ..nn import SubspaceNet
 from ..train import fit_map
 from . import defaults, options, report
 
-SUBSPACES = ("pca", "random", "subnetwork", "ggn")
+SUBSPACES = ("pca", "random", "subnetwork", "ggn", "last_layer", "all")
+#: the subspaces made of whole parameter tensors (what --hessian kron needs)
+WHOLE_LAYERS = ("last_layer", "all")
 INFERENCE = ("ess", "gess", "nuts", "hmc", "vi", "laplace")
 MCMC_KERNELS = {
     "ess": EllipticalSliceSampler,
@@ -91,6 +94,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=options.int_at_least(0), default=200, help="MCMC warm-up")
     g.add_argument("--vi-steps", type=options.int_at_least(1), default=1200, help="SVI steps")
     options.add_laplace_prior(g, "laplace", "1/prior-scale^2")
+    options.add_hessian(g, "laplace", "full")
     g.add_argument(
         "--max-iter",
         type=options.int_at_least(1),
@@ -126,6 +130,10 @@ def check(args: argparse.Namespace, given: set[str]) -> None:
     options.check_data(args, given)
     if args.rank == "mle" and args.subspace != "pca":
         raise options.UsageError("--rank mle needs --subspace pca")
+    if args.hessian == "kron" and args.subspace not in WHOLE_LAYERS:
+        raise options.UsageError(
+            f"--hessian kron needs whole layers: --subspace last_layer or all, not {args.subspace}"
+        )
     snapshots = min(args.swa_epochs, args.max_snapshots)
     if args.subspace == "pca" and args.rank != "mle" and args.rank > snapshots:
         raise options.UsageError(
@@ -139,6 +147,8 @@ def check(args: argparse.Namespace, given: set[str]) -> None:
             "--vi-steps": (args.inference == "vi", "to --inference vi"),
             "--laplace-prior": (args.inference == "laplace", "to --inference laplace"),
             "--max-iter": (args.inference == "laplace", "to --inference laplace"),
+            "--hessian": (args.inference == "laplace", "to --inference laplace"),
+            "--rank": (args.subspace not in WHOLE_LAYERS, "to --subspace pca, random, subnetwork or ggn"),
             "--max-snapshots": (args.subspace == "pca", "to --subspace pca"),
         },
     )
@@ -177,10 +187,14 @@ def _subspace(
     args: argparse.Namespace, net: nn.Module, collector, lik, data: datasets.Dataset
 ) -> subspaces.Subspace:
     """The ``--subspace``: PCA of the SWA trajectory, or random / subnetwork (diagonal-Laplace
-    selection) / GGN-eigen at the SWA mean."""
+    selection) / GGN-eigen / the last layer / all weights at the SWA mean."""
     if args.subspace == "pca":
         return subspaces.pca(collector, args.rank, seed=args.seed)
     nn.utils.vector_to_parameters(collector.mean, net.parameters())
+    if args.subspace == "last_layer":
+        return subspaces.subnetwork(net, strategy="last_layer")
+    if args.subspace == "all":
+        return all_weights(net)
     if args.subspace == "random":
         return subspaces.random(net, args.rank, seed=args.seed)
     if args.subspace == "subnetwork":
@@ -211,7 +225,10 @@ def _laplace(
     the options of this command that address its causes (its own text names library calls)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConvergenceWarning)
-        guide = AutoSubspaceLaplace(model).fit(data.x_train, data.y_train, max_iter=args.max_iter)
+        guide = AutoSubspaceLaplace(model, hessian_structure=args.hessian)
+        guide.fit(data.x_train, data.y_train, max_iter=args.max_iter)
+    if args.hessian == "auto":  # say which structure it picked
+        notes.append(f"laplace: hessian {guide.structure_choice}")
     for w in caught:
         if issubclass(w.category, ConvergenceWarning):
             notes.append(f"laplace: {w.message} [{LAPLACE_FIXES}]")

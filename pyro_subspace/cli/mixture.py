@@ -43,6 +43,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="mola: the weight prior's precision; 'auto': N x --weight-decay",
     )
     options.add_laplace_prior(g, "mola", "--prior-precision")
+    options.add_hessian(g, "mola", "auto")
     g.add_argument("--samples", type=options.int_at_least(1), default=300, help="swag: draws")
     t = options.add_regression_training(p, "of the MAP training")
     options.add_swa_options(t, "swag: SWAG")
@@ -63,6 +64,7 @@ def check(args: argparse.Namespace, given: set[str]) -> None:
             "--members": (not swag, "to --inference mola or deep_ensemble"),
             "--prior-precision": (mola, "to --inference mola"),
             "--laplace-prior": (mola, "to --inference mola"),
+            "--hessian": (mola, "to --inference mola"),
             **{o: (swag, "to --inference swag") for o in ("--samples", "--swa-epochs")},
             **{o: (swag, "to --inference swag") for o in ("--swa-lr", "--max-snapshots")},
         },
@@ -91,7 +93,9 @@ def _predictor(args: argparse.Namespace, ens, data) -> tuple[MixturePredictor, s
     precision = args.prior_precision
     if precision == "auto":
         precision = data.n_train * args.weight_decay
-    mola = MixtureOfLaplace(ens.nets, ens.likelihoods, prior_precision=precision)
+    mola = MixtureOfLaplace(
+        ens.nets, ens.likelihoods, prior_precision=precision, hessian_structure=args.hessian
+    )
     mola.fit(data.x_train, data.y_train)
     if args.laplace_prior == "marglik":
         mola.optimize_prior_precision("marglik")

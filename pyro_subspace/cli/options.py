@@ -189,6 +189,21 @@ def add_laplace_prior(g: argparse._ArgumentGroup, method: str, start: str) -> No
     )
 
 
+#: the ``--hessian`` choices: `AutoSubspaceLaplace`'s ``hessian_structure``
+HESSIANS = ("full", "diag", "lowrank", "kron", "auto")
+
+
+def add_hessian(g: argparse._ArgumentGroup, method: str, default: str) -> None:
+    g.add_argument(
+        "--hessian",
+        choices=HESSIANS,
+        default=default,
+        help=f"{method}: the posterior's structure: full GGN, its diagonal, low rank, K-FAC "
+        "(kron: the MoLA paper's; needs whole layers), or auto (full while its (K, K) buffers "
+        "fit 256 MiB, else kron)",
+    )
+
+
 def add_swa_options(g: argparse._ArgumentGroup, what: str) -> None:
     g.add_argument("--swa-epochs", type=int_at_least(0), default=200, help=f"{what} epochs")
     g.add_argument("--swa-lr", type=positive_float, default=3e-4, help="constant SGD rate of SWA")
