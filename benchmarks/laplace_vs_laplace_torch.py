@@ -24,6 +24,15 @@
     dense (explicit per-sample Jacobians → ``G = Σ Jᵀ H J`` → ``torch.linalg.eigh`` and
     ``eigvalsh``) vs our `lanczos_eigh` on `ggn_vector_product`.
 
+(d) K-FAC Laplace (``--parts d``, not in the default run): on the digits MLP 64→128→128→10 at
+    its MAP, ``Laplace(..., "kron", structure_options={"conv": "backpack"})`` against
+    laplace-torch's ``KronLaplace`` (all weights) and ``KronLLLaplace`` (last layer) with
+    ``BackPackGGN``: agreement in float64 (K-FAC eigenvalues, precision on random vectors, GLM
+    logit moments, probit probabilities, evidence; as ``tests/test_laplace_kron_vs_laplace_torch``
+    checks on small nets) and the time of fit + probit predictive in float32 on one thread
+    against laplace-torch's fastest K-FAC configuration (BackPackGGN / CurvlinopsGGN, DataLoader
+    batch ``N`` / 128, screened), in ``--repeats`` interleaved rounds (best of each).
+
 Conventions (identical for both libraries):
 
 - MAP: `fit_map` (Adam, full batch, fixed seed) with ``weight_decay = λ/N``: the mean loss plus
@@ -617,6 +626,201 @@ def part_c(args) -> None:
     print()
 
 
+# ---------------------------------------------------------------------- (d) K-FAC Laplace
+
+KRON_HIDDEN = (128, 128)
+#: laplace-torch K-FAC configurations screened: (backend, DataLoader batch size; None = all N)
+KRON_LT_CONFIGS = [
+    ("BackPackGGN", None),
+    ("BackPackGGN", 128),
+    ("CurvlinopsGGN", None),
+    ("CurvlinopsGGN", 128),
+]
+
+
+def make_kron_task(lam: float, quick: bool, seed: int = 0):
+    """The digits MLP 64-128-128-10 (Tanh) at its MAP (float32) and the data."""
+    torch.manual_seed(seed)
+    data = datasets.digits(seed=seed)
+    x, y, x_test = data.x_train, data.y_train, data.x_test
+    if quick:
+        x, y, x_test = x[:400], y[:400], x_test[:100]
+    net = mlp(x.shape[1], data.n_classes, KRON_HIDDEN)
+    fit_map(
+        net,
+        likelihoods.Categorical(),
+        x,
+        y,
+        epochs=100 if quick else 500,
+        lr=1e-2,
+        weight_decay=lam / x.shape[0],
+        seed=seed,
+        progress=False,
+    )
+    return net.eval(), x, y, x_test
+
+
+def kron_copy(net: nn.Module, dtype: torch.dtype) -> nn.Module:
+    out = mlp(net[0].in_features, net[-1].out_features, KRON_HIDDEN).to(dtype)
+    out.load_state_dict(net.state_dict())
+    return out.eval()
+
+
+def fit_ours_kron(net, x, y, subset: str, lam: float, conv: str):
+    from pyro_subspace.infer import Laplace as OurLaplace
+
+    la = OurLaplace(
+        net, likelihoods.Categorical(), subset, "kron", prior_precision=lam,
+        structure_options={"conv": conv},
+    )  # fmt: skip
+    return la.fit(x, y)
+
+
+def fit_theirs_kron(net, x, y, subset: str, lam: float, backend: str, batch: int | None):
+    import laplace
+    from torch.utils.data import DataLoader, TensorDataset
+
+    cls = laplace.KronLaplace if subset == "all" else laplace.KronLLLaplace
+    la = cls(net, "classification", prior_precision=lam, backend=lt_backend(backend))
+    with warnings.catch_warnings():  # BackPack's / curvlinops' backward-hook notices
+        warnings.simplefilter("ignore", (UserWarning, FutureWarning))
+        la.fit(DataLoader(TensorDataset(x, y), batch_size=batch or len(x)))
+    return la
+
+
+def predict_kron(la, x_test):
+    """Probit probabilities ``(M, C)`` (either library's ``la(x, link_approx="probit")``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", (UserWarning, FutureWarning))
+        return la(x_test, pred_type="glm", link_approx="probit")
+
+
+def fit_and_predict_ours(net, x, y, x_test, subset, lam):
+    """Ours, timed: a float32 copy of the MAP net, `Laplace(..., "kron")` fit, probit."""
+    la = fit_ours_kron(kron_copy(net, torch.float32), x, y, subset, lam, "backpack")
+    return predict_kron(la, x_test)
+
+
+def fit_and_predict_theirs(net, x, y, x_test, subset, lam, config):
+    """laplace-torch, timed: a float32 copy (BackPack extends the model it gets), fit, probit."""
+    backend, batch = config
+    la = fit_theirs_kron(kron_copy(net, torch.float32), x, y, subset, lam, backend, batch)
+    return predict_kron(la, x_test)
+
+
+def kron_agreement(ours, theirs, x_test) -> dict:
+    """Largest relative differences (float64): K-FAC eigenvalues per block, the posterior
+    precision on random vectors, the GLM logit mean / covariance / variances, the probit
+    probabilities and the log marginal likelihood."""
+    post, k = ours.guide.posterior, theirs.n_params
+    eig = []
+    for block, ls in zip(post.blocks(), theirs.H.eigenvalues, strict=True):
+        mine = torch.outer(block["gvals"], block["avals"]).reshape(-1).sort().values
+        want = ls[0] if len(ls) == 1 else torch.outer(ls[0], ls[1]).reshape(-1)
+        eig.append(rel_norm(mine, want.sort().values))
+    v = torch.randn(4, k, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", (UserWarning, FutureWarning))
+        t_mu, t_cov = theirs._glm_predictive_distribution(x_test)
+    o_mu, o_cov = linearized_moments(ours, x_test)
+    diag = lambda c: c.diagonal(dim1=-2, dim2=-1)  # noqa: E731
+    return {
+        "eigenvalues": max(eig),
+        "precision v": rel_norm(post._apply(v, 1.0), theirs.posterior_precision.bmm(v, 1)),
+        "covariance v": rel_norm(post._apply(v, -1.0), theirs.posterior_precision.bmm(v, -1)),
+        "f mean": rel_norm(o_mu, t_mu),
+        "f cov": rel_norm(o_cov, t_cov),
+        "f var": rel_elem(diag(o_cov), diag(t_cov)),
+        "probit": rel_elem(predict_kron(ours, x_test), predict_kron(theirs, x_test)),
+        "lml": rel_norm(ours.log_marginal_likelihood(), theirs.log_marginal_likelihood()),
+    }
+
+
+def part_d(args, Laplace) -> None:
+    lam = args.prior_precision
+    net, x, y, x_test = make_kron_task(lam, args.quick)
+    n, d = x.shape[0], sum(p.numel() for p in net.parameters())
+    print("(d) K-FAC Laplace (hessian_structure='kron'): ours vs laplace-torch's KronLaplace /")
+    print(f"    KronLLLaplace. Digits MLP (Tanh) 64-128-128-10 at its MAP, N = {n}, D = {d},")
+    print(f"    {x_test.shape[0]} test points, lambda = {lam:g}, type-2 Fisher (GGN).")
+    print("    Agreement in float64, BackPackGGN vs our conv='backpack'. Times in float32 on")
+    print("    one thread: fit + probit predictive, laplace-torch's configurations screened")
+    print("    (one timed run after a warm-up), its fastest then raced against ours in")
+    print(f"    {args.repeats} interleaved rounds after a warm-up (best of each).")
+    print()
+    subsets = ("last_layer", "all")
+    agree = {}
+    if Laplace is not None:
+        net64, x64, xt64 = kron_copy(net, torch.float64), x.double(), x_test.double()
+        for subset in subsets:
+            ours = fit_ours_kron(net64, x64, y, subset, lam, "backpack")
+            theirs = fit_theirs_kron(
+                kron_copy(net, torch.float64), x64, y, subset, lam, "BackPackGGN", None
+            )
+            agree[subset] = kron_agreement(ours, theirs, xt64)
+            del ours, theirs
+        keys = list(agree[subsets[0]])
+        print("    Agreement (float64): largest relative difference, ours vs laplace-torch")
+        print("    (max|a-b|/max|b|; f var and probit p elementwise max |a-b|/|b|)")
+        print(f"    {'subset':<12}" + "".join(f"{k:>13}" for k in keys))
+        for subset in subsets:
+            print(f"    {subset:<12}" + "".join(f"{agree[subset][k]:>13.1e}" for k in keys))
+        worst = max(v for row in agree.values() for v in row.values())
+        print(f"    worst: {worst:.1e}  (target < 1e-6: {'met' if worst < 1e-6 else 'MISSED'})")
+        print()
+    rows = []
+    for subset in subsets:
+        runs = {"ours": partial(fit_and_predict_ours, net, x, y, x_test, subset, lam)}
+        screen_times = {}
+        if Laplace is not None:
+            for config in KRON_LT_CONFIGS:
+                run = partial(fit_and_predict_theirs, net, x, y, x_test, subset, lam, config)
+                try:
+                    run()  # warm-up
+                    start = time.perf_counter()
+                    run()
+                    screen_times[config] = time.perf_counter() - start
+                except Exception as exc:
+                    screen_times[config] = f"{type(exc).__name__}: {exc}"[:80]
+            timed = {c: t for c, t in screen_times.items() if isinstance(t, float)}
+            if timed:
+                best = min(timed, key=timed.get)
+                runs["lt"] = partial(fit_and_predict_theirs, net, x, y, x_test, subset, lam, best)
+        times, outs = best_of(runs, args.repeats)
+        row = {"subset": subset, "ours": times["ours"], "screen": screen_times}
+        if "lt" in times:
+            row.update(lt=times["lt"], config=best)
+            row["probit f32"] = rel_elem(outs["ours"], outs["lt"])
+        rows.append(row)
+    if Laplace is not None:
+        print("    laplace-torch screening: fit + probit predictive seconds (float32)")
+        print(f"    {'backend':<15}{'batch':>6}" + "".join(f"{r['subset']:>12}" for r in rows))
+        for backend, batch in KRON_LT_CONFIGS:
+            line = f"    {backend:<15}{str(batch or 'N'):>6}"
+            for r in rows:
+                t = r["screen"][backend, batch]
+                line += f"{t:>12.3f}" if isinstance(t, float) else f"{'failed':>12}"
+            print(line)
+        errors = {t for r in rows for t in r["screen"].values() if isinstance(t, str)}
+        for e in sorted(errors):
+            print(f"      failed: {e}")
+        print()
+    print(f"    Times in seconds (float32, one thread, best of {args.repeats} interleaved rounds):")
+    print("    fit + probit predictive on the test set; ours conv='backpack', chunk_size 1024")
+    head = f"    {'subset':<12}{'ours':>8}{'lt':>8}{'lt/ours':>9}{'probit diff':>13}"
+    print(head + "   lt configuration")
+    for r in rows:
+        line = f"    {r['subset']:<12}{r['ours']:>8.3f}"
+        if "lt" not in r:
+            print(line + f"{'-':>8}{'-':>9}")
+            continue
+        backend, batch = r["config"]
+        line += f"{r['lt']:>8.3f}{r['lt'] / r['ours']:>8.1f}x{r['probit f32']:>13.1e}"
+        print(line + f"   {backend}, batch {batch or 'N'}")
+    print("    (probit diff: max |ours - lt| / lt of the float32 probabilities)")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny settings (< 1 minute)")
@@ -632,7 +836,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--memory-n", type=int, nargs="*", default=None)
     parser.add_argument("--top-k", type=int, default=20)
-    parser.add_argument("--parts", default="abc")
+    parser.add_argument(
+        "--parts", default="abc", help="sections to run: a, b, c (default) and d (K-FAC Laplace)"
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-n", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -666,6 +872,8 @@ def main() -> None:
         part_b(args, Laplace)
     if "c" in args.parts:
         part_c(args)
+    if "d" in args.parts:
+        part_d(args, Laplace)
 
 
 if __name__ == "__main__":
