@@ -209,3 +209,27 @@ def test_auto_picks_full_under_the_budget_and_kron_above_saying_why():
     guide = big.members[0][1]
     assert guide.model.rank == k and guide.hessian_structure == "kron"
     assert "> 256 MiB" in guide.structure_choice
+
+
+@pytest.mark.parametrize("bias", ["separate", "augment"])
+def test_layer_by_layer_predictive_equals_the_jacobian_route(bias):
+    """All layers of an MLP: ``J Σ Jᵀ`` from each layer's inputs and output Jacobians (no
+    ``(N, O, K)`` Jacobian) equals the contract's route through the subspace's Jacobian blocks;
+    an in-place ReLU after a layer does not disturb it."""
+    torch.manual_seed(2)
+    net = nn.Sequential(nn.Linear(3, 5), nn.ReLU(inplace=True), nn.Linear(5, 4), nn.Tanh(),
+                        nn.Linear(4, 3)).double()  # fmt: skip
+    x = torch.randn(30, 3, dtype=torch.float64)
+    y = torch.randint(0, 3, (30,))
+    la = Laplace(net, likelihoods.Categorical(), "all", "kron", LAM,
+                 structure_options={"bias": bias}).fit(x, y)  # fmt: skip
+    post, model = la.guide.posterior, la.model
+    w = model.subspace.weights(la.guide.loc)
+    assert post._linear_layers(net) is not None  # the layer-by-layer route applies
+    f, cov = post.linearized_outputs(model, x[:11], w, 4)
+    f_ref, cov_ref = Posterior.linearized_outputs(post, model, x[:11], w, 4)
+    torch.testing.assert_close(f, f_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cov, cov_ref, rtol=1e-10, atol=1e-13)
+    _, var = post.linearized_outputs(model, x[:11], w, 4, diagonal=True)
+    torch.testing.assert_close(var.diagonal(dim1=-2, dim2=-1), cov_ref.diagonal(dim1=-2, dim2=-1))
+    assert torch.equal(FlatNet(net).vector(), model.subspace.shift)  # the weights put back

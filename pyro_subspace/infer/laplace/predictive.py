@@ -12,7 +12,6 @@ from pyro.infer.autoguide import AutoGuide
 
 from ... import validation as ck
 from ...data import as_tensors
-from ...flat import FlatNet
 
 
 def _check_guide(guide: object):
@@ -55,23 +54,9 @@ def linearized_moments(
     if not isinstance(x, torch.Tensor):  # a Dataset / DataLoader: its inputs, in its order
         x = as_tensors(x)[0]
     ck.positive_int(chunk_size, "chunk_size", allow_none=True)
-    model, posterior = guide.model, guide.posterior
     chunk = guide.chunk_size if chunk_size is None else chunk_size
-    w = model.subspace.weights(guide.loc).detach()
-    flat = FlatNet(model.flat.net, batch_strategy="loop")
-    means, covs = [], []
-    sub = model.subspace
-    dtype = posterior.buffer_dtype  # J Σ Jᵀ in Σ's dtype (the network's for "full")
-    if hasattr(sub, "feature_blocks"):  # a last layer: J from the penultimate features
-        for out, phi in sub.feature_blocks(flat, x, w, chunk):
-            means.append(out.double())
-            cov = posterior.feature_covariance(phi.to(dtype), sub.rows, diagonal)
-            covs.append(cov.double())
-    else:
-        for out, jp in sub.jacobian_blocks(flat, x, w, chunk):
-            means.append(out.double())
-            covs.append(posterior.functional_covariance(jp.to(dtype)).double())
-    return torch.cat(means), torch.cat(covs)
+    w = guide.model.subspace.weights(guide.loc).detach()
+    return guide.posterior.linearized_outputs(guide.model, x, w, chunk, diagonal)
 
 
 def linearized_predictive(

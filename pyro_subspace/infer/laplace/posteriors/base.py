@@ -37,6 +37,7 @@ from typing import ClassVar, NamedTuple
 import torch
 from torch import nn
 
+from ....flat import FlatNet
 from ....linalg import cholesky, logdet
 
 
@@ -233,6 +234,27 @@ class Posterior(nn.Module, ABC):
             jp[:, i, rows[i]] = phi
         out = self.functional_covariance(jp)
         return torch.diag_embed(out.diagonal(dim1=-2, dim2=-1)) if diagonal else out
+
+    def linearized_outputs(
+        self, model, x: torch.Tensor, w: torch.Tensor, chunk_size: int, diagonal: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The linearised outputs at the weights ``w`` ``(D,)``: ``f(x, w)`` ``(N, O)`` and
+        ``J Σ Jᵀ`` ``(N, O, O)``, float64 (Subnetwork Inference eqs. 11–12). By default over
+        the subspace's blocks: a last layer's features (`feature_covariance`, ``diagonal``: only
+        the variances filled), else its Jacobian blocks (`functional_covariance`), in the
+        posterior's dtype."""
+        sub, dtype = model.subspace, self.buffer_dtype
+        flat = FlatNet(model.flat.net, batch_strategy="loop")
+        means, covs = [], []
+        if hasattr(sub, "feature_blocks"):  # a last layer: J from the penultimate features
+            for out, phi in sub.feature_blocks(flat, x, w, chunk_size):
+                means.append(out.double())
+                covs.append(self.feature_covariance(phi.to(dtype), sub.rows, diagonal).double())
+        else:
+            for out, jp in sub.jacobian_blocks(flat, x, w, chunk_size):
+                means.append(out.double())
+                covs.append(self.functional_covariance(jp.to(dtype)).double())
+        return torch.cat(means), torch.cat(covs)
 
     # ------------------------------------------------------------------ the tuner's sweep
 

@@ -88,6 +88,8 @@ class KronPosterior(Posterior):
         self.register_buffer("prior_diagonal", torch.zeros(dim, **f64))
         self.register_buffer("num_data", torch.zeros((), **f64))
         self._blocks: list[str] = []  # block prefixes "b0", "b1", ...
+        #: per block, the module it belongs to and its parameters' names (`get_extra_state`)
+        self._owners: list[tuple[str, tuple[str, ...]]] = []
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, blocks={len(self._blocks)}, damping={self.damping!r}"
@@ -117,11 +119,18 @@ class KronPosterior(Posterior):
                 self.register_buffer(f"{prefix}_{key}", value)
             self._blocks.append(prefix)
 
+    def get_extra_state(self) -> dict:
+        """The blocks' modules and parameter names (kept in the ``state_dict``)."""
+        return {"owners": [[m, list(p)] for m, p in self._owners]}
+
+    def set_extra_state(self, state: dict) -> None:
+        self._owners = [(m, tuple(p)) for m, p in state.get("owners", [])]
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         """Make the blocks the state holds (their number and shapes come with it)."""
         names = sorted(
             {k[len(prefix):].split("_")[0] for k in state_dict if k.startswith(prefix + "b")},
-            key=lambda s: int(s[1:]),
+            key=lambda s: int(s[1:]) if s[1:].isdigit() else -1,
         )
         blocks = []
         for name in names:
@@ -164,7 +173,7 @@ class KronPosterior(Posterior):
         basis = _basis(sub).to(factors.index.device)
         order = torch.argsort(basis)
         local = lambda idx: order[torch.searchsorted(basis[order], idx)]  # noqa: E731
-        blocks, covered = [], 0
+        blocks, covered, owners = [], 0, []
         for block in factors.blocks:
             idx = block.index.to(basis.device)
             inside = torch.isin(idx, basis)
@@ -177,6 +186,7 @@ class KronPosterior(Posterior):
                     "subset_of_weights='last_layer'/'all' or hessian_structure='full'/'diag'"
                 )
             covered += idx.numel()
+            owners.append((block.module, tuple(block.params)))
             out = {"pos": local(idx).to(self.prior_diagonal.device)}
             if block.kind == "diagonal":
                 out["diag"] = block.diagonal.double().clamp_min(0)
@@ -191,6 +201,7 @@ class KronPosterior(Posterior):
                 "hessian_structure: 'kron' needs a subspace made of whole parameter tensors of "
                 "the network; this one is not (use hessian_structure='full' or 'diag')"
             )
+        self._owners = owners
         return blocks
 
     def scale_curvature_(self, c: float) -> None:
@@ -406,6 +417,59 @@ class KronPosterior(Posterior):
         out = out.to(phi.dtype)
         return torch.diag_embed(out.diagonal(dim1=-2, dim2=-1)) if diagonal else out
 
+    # ------------------------------------------------------------------ the network's outputs
+
+    def linearized_outputs(
+        self, model, x: torch.Tensor, w: torch.Tensor, chunk_size: int, diagonal: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``f(x, w)`` and ``J Σ Jᵀ`` layer by layer, without the ``(N, O, K)`` Jacobian, when
+        every block is an ``nn.Linear``'s weight, bias or ``[W | b]`` on ``(n, in)`` inputs:
+        with ``a_n`` the layer's input and ``B_n = ∂f/∂z`` ``(O, out)`` (``O`` batched
+        backward passes), ``J_W = B_n ⊗ a_nᵀ`` and
+
+            ``J_W Σ_W J_Wᵀ = (B_n Q_G) diag(v_n) (B_n Q_G)ᵀ``,  ``v_n = (1/m) (Q_Aᵀ a_n)²``
+
+        (``O(n (O out² + in²  + in·out))`` per layer). Other networks (convolutions, BatchNorm
+        and other diagonal blocks, a last layer given by its features) take the contract's
+        route through the subspace's blocks."""
+        net = model.flat.net
+        layers = self._linear_layers(net)
+        if layers is None or hasattr(model.subspace, "feature_blocks"):
+            return super().linearized_outputs(model, x, w, chunk_size, diagonal)
+        flat = model.flat
+        w0 = flat.vector().detach().clone()
+        eig = self._prior_eigenvalues()
+        means, covs = [], []
+        try:
+            flat.load_vector(w.detach().to(w0))
+            with eval_mode(net):
+                for start in range(0, x.shape[0], chunk_size):
+                    out = _layer_outputs(net, layers, x[start : start + chunk_size], self, eig, diagonal)
+                    if out is None:  # a layer saw inputs of another shape: the general route
+                        return super().linearized_outputs(model, x, w, chunk_size, diagonal)
+                    means.append(out[0]), covs.append(out[1])
+        finally:
+            flat.load_vector(w0)
+        return torch.cat(means), torch.cat(covs)
+
+    def _linear_layers(self, net: torch.nn.Module):
+        """``{module name: (module, [(block index, role)])}`` with role ``"weight"``,
+        ``"bias"`` or ``"augmented"``, or ``None`` when some block is not an ``nn.Linear``'s."""
+        if not self._owners or len(self._owners) != len(self._blocks):
+            return None
+        modules = dict(net.named_modules())
+        layers: dict[str, tuple] = {}
+        for i, ((name, params), block) in enumerate(zip(self._owners, self.blocks())):
+            module = modules.get(name)
+            if "diag" in block or not isinstance(module, torch.nn.Linear):
+                return None
+            leaves = tuple(p.rsplit(".", 1)[-1] for p in params)
+            role = {("weight",): "weight", ("bias",): "bias", ("weight", "bias"): "augmented"}
+            if leaves not in role:
+                return None
+            layers.setdefault(name, (module, []))[1].append((i, role[leaves]))
+        return layers
+
     # ------------------------------------------------------------------ the MAP search
 
     def newton_step(self, evaluator, t: torch.Tensor, grad: torch.Tensor, prior: PriorPrecision):
@@ -418,6 +482,57 @@ class KronPosterior(Posterior):
     def newton_decrement(self, grad: torch.Tensor) -> float:
         g = grad.double()
         return float((g * self._apply(g, -1.0)).sum().clamp_min(0).sqrt())
+
+
+def _layer_outputs(net, layers, x, post: KronPosterior, eig, diagonal: bool):
+    """``f`` ``(n, O)`` and ``J Σ Jᵀ`` ``(n, O, O)`` float64 of one chunk (`linearized_outputs`),
+    or ``None`` if a layer was not called once on ``(n, in)`` inputs."""
+    seen: dict[str, list] = {name: [] for name in layers}
+
+    def hook(name):
+        def keep(module, inp, out):
+            z = out if out.requires_grad else out.detach().requires_grad_(True)
+            seen[name].append((inp[0].detach(), z))
+            return z.clone()  # later in-place ops do not rebase z
+
+        return keep
+
+    handles = [m.register_forward_hook(hook(name)) for name, (m, _) in layers.items()]
+    try:
+        with torch.enable_grad():
+            f = net(x)
+    finally:
+        for h in handles:
+            h.remove()
+    n = x.shape[0]
+    if f.dim() != 2 or any(len(v) != 1 or v[0][0].dim() != 2 for v in seen.values()):
+        return None
+    o = f.shape[1]
+    zs = [seen[name][0][1] for name in layers]
+    eye = torch.eye(o, dtype=f.dtype, device=f.device)[:, None, :].expand(o, n, o)
+    try:  # B = ∂f/∂z for every layer: O backward passes in one batched call
+        grads = torch.autograd.grad(f, zs, grad_outputs=eye, is_grads_batched=True)
+    except RuntimeError:  # an op without a batching rule: one pass per output
+        rows = [torch.autograd.grad(f, zs, eye[c], retain_graph=True) for c in range(o)]
+        grads = [torch.stack([r[i] for r in rows]) for i in range(len(zs))]
+    blocks = post.blocks()
+    cov = torch.zeros(n, o, o, dtype=torch.float64, device=f.device)
+    for (name, (_, roles)), grad in zip(layers.items(), grads):
+        b = grad.permute(1, 0, 2).double()  # (n, O, out)
+        a = seen[name][0][0].double()  # (n, in)
+        for i, role in roles:
+            block, m = blocks[i], eig[i]
+            bq = b @ block["gvecs"]  # (n, O, out) in G's eigenbasis
+            if role == "bias":
+                v = m[:, 0].reciprocal().expand(n, -1)
+            else:
+                ai = torch.cat([a, a.new_ones(n, 1)], 1) if role == "augmented" else a
+                v = (ai @ block["avecs"]).square() @ m.reciprocal().T  # (n, out)
+            if diagonal:
+                cov.diagonal(dim1=-2, dim2=-1).add_(torch.einsum("nok,nk->no", bq.square(), v))
+            else:
+                cov += torch.einsum("nok,nk,npk->nop", bq, v, bq)
+    return f.detach().double(), cov
 
 
 def _eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
