@@ -233,3 +233,27 @@ def test_layer_by_layer_predictive_equals_the_jacobian_route(bias):
     _, var = post.linearized_outputs(model, x[:11], w, 4, diagonal=True)
     torch.testing.assert_close(var.diagonal(dim1=-2, dim2=-1), cov_ref.diagonal(dim1=-2, dim2=-1))
     assert torch.equal(FlatNet(net).vector(), model.subspace.shift)  # the weights put back
+
+
+@pytest.mark.parametrize("conv", ["expand", "backpack"])
+def test_layer_by_layer_predictive_of_a_cnn_equals_the_jacobian_route(conv):
+    """A CNN (strided, padded Conv2d layers, in-place ReLU, a Linear head): the Conv2d blocks'
+    ``J Σ Jᵀ`` from patches and output Jacobians equals the route through Jacobian blocks."""
+    torch.manual_seed(3)
+    net = nn.Sequential(
+        nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(3, 2, 3, stride=2),
+        nn.Tanh(), nn.Flatten(), nn.Linear(2 * 3 * 3, 3),
+    ).double()  # fmt: skip
+    x = torch.randn(20, 1, 8, 8, dtype=torch.float64)
+    y = torch.randint(0, 3, (20,))
+    la = Laplace(net, likelihoods.Categorical(), "all", "kron", LAM,
+                 structure_options={"conv": conv}).fit(x, y)  # fmt: skip
+    post, model = la.guide.posterior, la.model
+    w = model.subspace.weights(la.guide.loc)
+    assert post._linear_layers(net) is not None
+    f, cov = post.linearized_outputs(model, x[:7], w, 3)
+    f_ref, cov_ref = Posterior.linearized_outputs(post, model, x[:7], w, 3)
+    torch.testing.assert_close(f, f_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cov, cov_ref, rtol=1e-10, atol=1e-13)
+    _, var = post.linearized_outputs(model, x[:7], w, 3, diagonal=True)
+    torch.testing.assert_close(var.diagonal(dim1=-2, dim2=-1), cov_ref.diagonal(dim1=-2, dim2=-1))

@@ -517,9 +517,13 @@ def _check_calls(layers: list[_Layer], seen: dict, n: int) -> None:
 
 
 def _patches(lay: _Layer, a: torch.Tensor) -> torch.Tensor:
-    """Unfolded input patches ``(n, in·kh·kw, R)`` of a Conv2d (``F.unfold``; the column order
-    of ``weight.reshape(out, -1)``)."""
-    m = lay.module
+    return conv_patches(lay.module, a)
+
+
+def conv_patches(m: nn.Conv2d, a: torch.Tensor) -> torch.Tensor:
+    """Unfolded input patches ``(n, in·kh·kw, R)`` of the Conv2d ``m`` for its input ``a``
+    ``(n, in, H, W)`` (``F.unfold``; the column order of ``weight.reshape(out, -1)``, ``R`` the
+    output locations)."""
     if m.padding_mode == "zeros" and not isinstance(m.padding, str):
         return F.unfold(a, m.kernel_size, m.dilation, m.padding, m.stride)
     # a padding mode or a string padding: pad as Conv2d._conv_forward does (its private

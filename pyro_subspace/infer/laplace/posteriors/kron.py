@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from ....curvature.kfac import KronFactors, kfac
+from ....curvature.kfac import KronFactors, conv_patches, kfac
 from ....flat import eval_mode
 from ....validation import choice
 from .base import Posterior, PriorPrecision, check_positive
@@ -423,15 +423,17 @@ class KronPosterior(Posterior):
         self, model, x: torch.Tensor, w: torch.Tensor, chunk_size: int, diagonal: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``f(x, w)`` and ``J Σ Jᵀ`` layer by layer, without the ``(N, O, K)`` Jacobian, when
-        every block is an ``nn.Linear``'s weight, bias or ``[W | b]`` on ``(n, in)`` inputs:
-        with ``a_n`` the layer's input and ``B_n = ∂f/∂z`` ``(O, out)`` (``O`` batched
-        backward passes), ``J_W = B_n ⊗ a_nᵀ`` and
+        every block is an ``nn.Linear``'s or ``nn.Conv2d``'s weight, bias or ``[W | b]``: with
+        ``a_n`` a Linear layer's input and ``B_n = ∂f/∂z`` ``(O, out)`` (``O`` batched backward
+        passes), ``J_W = B_n ⊗ a_nᵀ`` and
 
             ``J_W Σ_W J_Wᵀ = (B_n Q_G) diag(v_n) (B_n Q_G)ᵀ``,  ``v_n = (1/m) (Q_Aᵀ a_n)²``
 
-        (``O(n (O out² + in²  + in·out))`` per layer). Other networks (convolutions, BatchNorm
-        and other diagonal blocks, a last layer given by its features) take the contract's
-        route through the subspace's blocks."""
+        (``O(n (O out² + in² + in·out))`` per layer); a Conv2d's rotated Jacobian
+        ``J̃ = Σ_r (B_{n,r} Q_G) ⊗ (Q_Aᵀ a_{n,r})ᵀ`` over its ``R`` locations (patches ``a_{n,r}``)
+        is formed per layer in row blocks. Other networks (BatchNorm and other diagonal blocks,
+        a last layer given by its features) take the contract's route through the subspace's
+        blocks."""
         net = model.flat.net
         layers = self._linear_layers(net)
         if layers is None or hasattr(model.subspace, "feature_blocks"):
@@ -461,7 +463,8 @@ class KronPosterior(Posterior):
         layers: dict[str, tuple] = {}
         for i, ((name, params), block) in enumerate(zip(self._owners, self.blocks())):
             module = modules.get(name)
-            if "diag" in block or not isinstance(module, torch.nn.Linear):
+            conv = isinstance(module, torch.nn.Conv2d) and module.groups == 1
+            if "diag" in block or not (isinstance(module, torch.nn.Linear) or conv):
                 return None
             leaves = tuple(p.rsplit(".", 1)[-1] for p in params)
             role = {("weight",): "weight", ("bias",): "bias", ("weight", "bias"): "augmented"}
@@ -505,7 +508,8 @@ def _layer_outputs(net, layers, x, post: KronPosterior, eig, diagonal: bool):
         for h in handles:
             h.remove()
     n = x.shape[0]
-    if f.dim() != 2 or any(len(v) != 1 or v[0][0].dim() != 2 for v in seen.values()):
+    dims = {name: 4 if isinstance(m, torch.nn.Conv2d) else 2 for name, (m, _) in layers.items()}
+    if f.dim() != 2 or any(len(v) != 1 or v[0][0].dim() != dims[k] for k, v in seen.items()):
         return None
     o = f.shape[1]
     zs = [seen[name][0][1] for name in layers]
@@ -517,7 +521,10 @@ def _layer_outputs(net, layers, x, post: KronPosterior, eig, diagonal: bool):
         grads = [torch.stack([r[i] for r in rows]) for i in range(len(zs))]
     blocks = post.blocks()
     cov = torch.zeros(n, o, o, dtype=torch.float64, device=f.device)
-    for (name, (_, roles)), grad in zip(layers.items(), grads):
+    for (name, (module, roles)), grad in zip(layers.items(), grads):
+        if isinstance(module, torch.nn.Conv2d):
+            _conv_layer(module, grad, seen[name][0][0], roles, blocks, eig, cov, diagonal)
+            continue
         b = grad.permute(1, 0, 2).double()  # (n, O, out)
         a = seen[name][0][0].double()  # (n, in)
         for i, role in roles:
@@ -533,6 +540,43 @@ def _layer_outputs(net, layers, x, post: KronPosterior, eig, diagonal: bool):
             else:
                 cov += torch.einsum("nok,nk,npk->nop", bq, v, bq)
     return f.detach().double(), cov
+
+
+#: the most numbers of a Conv2d's rotated Jacobian block ``(rows, O, out, in·kh·kw)`` at once
+CONV_BLOCK_NUMBERS = 2**24
+
+
+def _conv_layer(module, grad, inp, roles, blocks, eig, cov, diagonal: bool) -> None:
+    """Add a Conv2d's blocks to ``cov`` ``(n, O, O)``: ``grad`` ``(O, n, out, H', W')`` is
+    ``∂f/∂z``, ``inp`` ``(n, in, H, W)`` the layer's input."""
+    o, n, out = grad.shape[:3]
+    b = grad.reshape(o, n, out, -1).permute(1, 0, 2, 3).double()  # (n, O, out, R)
+    patches = conv_patches(module, inp).double()  # (n, in', R)
+    for i, role in roles:
+        block, m = blocks[i], eig[i]
+        inv = m.reciprocal()
+        if role == "bias":  # J_b = Σ_r B_r: a Kronecker block with A = [1]
+            bq = b.sum(-1) @ block["gvecs"]  # (n, O, out)
+            v = inv[:, 0]
+            if diagonal:
+                cov.diagonal(dim1=-2, dim2=-1).add_(bq.square() @ v)
+            else:
+                cov += torch.einsum("nok,k,npk->nop", bq, v, bq)
+            continue
+        a = patches
+        if role == "augmented":
+            a = torch.cat([a, a.new_ones(n, 1, a.shape[-1])], 1)
+        width = max(1, CONV_BLOCK_NUMBERS // max(1, o * inv.numel()))
+        for s in range(0, n, width):
+            bq = torch.einsum("nokr,ka->noar", b[s : s + width], block["gvecs"])
+            aq = torch.einsum("nir,il->nrl", a[s : s + width], block["avecs"])
+            jt = torch.einsum("noar,nrl->noal", bq, aq)  # J (Q_G ⊗ Q_A): (rows, O, out, in')
+            if diagonal:
+                cov[s : s + width].diagonal(dim1=-2, dim2=-1).add_(
+                    torch.einsum("noal,al->no", jt.square(), inv)
+                )
+            else:
+                cov[s : s + width] += torch.einsum("noal,al,npal->nop", jt, inv, jt)
 
 
 def _eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
