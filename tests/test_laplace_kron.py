@@ -257,3 +257,17 @@ def test_layer_by_layer_predictive_of_a_cnn_equals_the_jacobian_route(conv):
     torch.testing.assert_close(cov, cov_ref, rtol=1e-10, atol=1e-13)
     _, var = post.linearized_outputs(model, x[:7], w, 3, diagonal=True)
     torch.testing.assert_close(var.diagonal(dim1=-2, dim2=-1), cov_ref.diagonal(dim1=-2, dim2=-1))
+
+
+def test_layer_by_layer_predictive_with_batchnorm_diagonal_blocks():
+    """BatchNorm's parameters (exact-diagonal blocks) enter through per-sample Jacobians of the
+    module itself: the result equals the route through the subspace's Jacobian blocks."""
+    net, x, y = classifier(batchnorm=True)
+    la = Laplace(net, likelihoods.Categorical(), "all", "kron", LAM).fit(x, y)
+    post, model = la.guide.posterior, la.model
+    w = model.subspace.weights(la.guide.loc)
+    assert post._linear_layers(net) is not None
+    f, cov = post.linearized_outputs(model, x[:9], w, 4)
+    f_ref, cov_ref = Posterior.linearized_outputs(post, model, x[:9], w, 4)
+    torch.testing.assert_close(f, f_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cov, cov_ref, rtol=1e-10, atol=1e-13)

@@ -456,7 +456,9 @@ class KronPosterior(Posterior):
 
     def _linear_layers(self, net: torch.nn.Module):
         """``{module name: (module, [(block index, role)])}`` with role ``"weight"``,
-        ``"bias"`` or ``"augmented"``, or ``None`` when some block is not an ``nn.Linear``'s."""
+        ``"bias"``, ``"augmented"`` or ``"diag"`` (and its parameters' names), or ``None``
+        when some block is neither a Linear/Conv2d's Kronecker block nor a diagonal block of a
+        module's own parameters."""
         if not self._owners or len(self._owners) != len(self._blocks):
             return None
         modules = dict(net.named_modules())
@@ -464,13 +466,20 @@ class KronPosterior(Posterior):
         for i, ((name, params), block) in enumerate(zip(self._owners, self.blocks())):
             module = modules.get(name)
             conv = isinstance(module, torch.nn.Conv2d) and module.groups == 1
-            if "diag" in block or not (isinstance(module, torch.nn.Linear) or conv):
+            kron = isinstance(module, torch.nn.Linear) or conv
+            if module is None or ("diag" in block) == kron:  # a K-FAC layer's diagonal: shared
                 return None
             leaves = tuple(p.rsplit(".", 1)[-1] for p in params)
+            if "diag" in block:  # BatchNorm, LayerNorm, ...: per-sample Jacobians of its own
+                own = dict(module.named_parameters(recurse=False))
+                if not all(leaf in own for leaf in leaves):
+                    return None
+                layers.setdefault(name, (module, []))[1].append((i, "diag", leaves))
+                continue
             role = {("weight",): "weight", ("bias",): "bias", ("weight", "bias"): "augmented"}
             if leaves not in role:
                 return None
-            layers.setdefault(name, (module, []))[1].append((i, role[leaves]))
+            layers.setdefault(name, (module, []))[1].append((i, role[leaves], leaves))
         return layers
 
     # ------------------------------------------------------------------ the MAP search
@@ -508,8 +517,13 @@ def _layer_outputs(net, layers, x, post: KronPosterior, eig, diagonal: bool):
         for h in handles:
             h.remove()
     n = x.shape[0]
-    dims = {name: 4 if isinstance(m, torch.nn.Conv2d) else 2 for name, (m, _) in layers.items()}
-    if f.dim() != 2 or any(len(v) != 1 or v[0][0].dim() != dims[k] for k, v in seen.items()):
+    dims = {
+        name: 4 if isinstance(m, torch.nn.Conv2d) else 2 if isinstance(m, torch.nn.Linear) else None
+        for name, (m, _) in layers.items()
+    }
+    if f.dim() != 2 or any(
+        len(v) != 1 or (dims[k] is not None and v[0][0].dim() != dims[k]) for k, v in seen.items()
+    ):
         return None
     o = f.shape[1]
     zs = [seen[name][0][1] for name in layers]
@@ -522,12 +536,16 @@ def _layer_outputs(net, layers, x, post: KronPosterior, eig, diagonal: bool):
     blocks = post.blocks()
     cov = torch.zeros(n, o, o, dtype=torch.float64, device=f.device)
     for (name, (module, roles)), grad in zip(layers.items(), grads):
+        if roles[0][1] == "diag":
+            if not _diagonal_blocks(module, grad, seen[name][0][0], roles, blocks, eig, cov, diagonal):
+                return None
+            continue
         if isinstance(module, torch.nn.Conv2d):
             _conv_layer(module, grad, seen[name][0][0], roles, blocks, eig, cov, diagonal)
             continue
         b = grad.permute(1, 0, 2).double()  # (n, O, out)
         a = seen[name][0][0].double()  # (n, in)
-        for i, role in roles:
+        for i, role, _ in roles:
             block, m = blocks[i], eig[i]
             bq = b @ block["gvecs"]  # (n, O, out) in G's eigenbasis
             if role == "bias":
@@ -552,7 +570,7 @@ def _conv_layer(module, grad, inp, roles, blocks, eig, cov, diagonal: bool) -> N
     o, n, out = grad.shape[:3]
     b = grad.reshape(o, n, out, -1).permute(1, 0, 2, 3).double()  # (n, O, out, R)
     patches = conv_patches(module, inp).double()  # (n, in', R)
-    for i, role in roles:
+    for i, role, _ in roles:
         block, m = blocks[i], eig[i]
         inv = m.reciprocal()
         if role == "bias":  # J_b = Σ_r B_r: a Kronecker block with A = [1]
@@ -577,6 +595,35 @@ def _conv_layer(module, grad, inp, roles, blocks, eig, cov, diagonal: bool) -> N
                 )
             else:
                 cov[s : s + width] += torch.einsum("noal,al,npal->nop", jt, inv, jt)
+
+
+def _diagonal_blocks(module, grad, inp, roles, blocks, eig, cov, diagonal: bool) -> bool:
+    """Add a module's diagonal blocks to ``cov``: per sample ``J = B ∂z/∂θ`` for its own
+    parameters ``θ`` (``torch.func``: ``vjp`` of the module at each input, ``vmap`` over the
+    ``O`` rows of ``B = ∂f/∂z`` and the samples), then ``J diag(1/m) Jᵀ``. ``False`` when the
+    module does not map one sample to one output this way (the caller then takes the general
+    route)."""
+    from torch.func import functional_call, vjp, vmap
+
+    params = {k: v.detach() for k, v in module.named_parameters(recurse=False)}
+    b = grad.transpose(0, 1)  # (n, O, *z)
+
+    def per_sample(xi, bi):
+        _, pull = vjp(lambda p: functional_call(module, p, (xi[None],))[0], params)
+        return vmap(pull)(bi)[0]
+
+    try:
+        jac = vmap(per_sample)(inp, b)  # name -> (n, O, *shape)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return False
+    for i, _, leaves in roles:
+        j = torch.cat([jac[leaf].flatten(2) for leaf in leaves], 2).double()  # (n, O, numel)
+        inv = eig[i].reciprocal()
+        if diagonal:
+            cov.diagonal(dim1=-2, dim2=-1).add_(j.square() @ inv)
+        else:
+            cov += torch.einsum("nok,k,npk->nop", j, inv, j)
+    return True
 
 
 def _eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
