@@ -191,8 +191,9 @@ def _optimize_marglik(guide, optimize_sigma: bool, max_iter: int, groups=None, a
             raise ValueError(f"groups: expected ({guide.model.rank},) labels >= 0")
         n_groups = int(groups.max()) + 1
         start = lam0.expand(guide.model.rank).double()
-        log_lam = torch.zeros(n_groups, dtype=torch.float64, device=start.device)
-        log_lam.index_reduce_(0, groups, start.log(), "mean", include_self=False)
+        sums = torch.zeros(n_groups, dtype=torch.float64, device=start.device)
+        counts = torch.zeros_like(sums).index_add_(0, groups, torch.ones_like(start))
+        log_lam = sums.index_add_(0, groups, start.log()) / counts.clamp_min(1)  # group means
         log_lam.requires_grad_(True)
         expand = lambda v: v[groups]  # noqa: E731 - one λ per group
     params = [log_lam]
