@@ -78,7 +78,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributions import Bernoulli, Categorical, Independent, Normal
-from torch.func import functional_call, jacrev, vmap
+from torch.func import functional_call, jacrev, vjp, vmap
 
 from .. import distributed, rng
 from ..data import DataSource
@@ -395,14 +395,20 @@ def kfac(
     named = dict(net.named_parameters())
     diag_sums = {p: 0.0 for names in diagonal.values() for p in names}
     count, first = 0, True
+    modules = dict(net.named_modules())
+    # diagonal blocks of a module's own parameters: per-sample Jacobians of the module alone,
+    # from the same backward passes (`_local_diagonal_sums`); others through the whole network
+    local = [_Layer(name, modules[name], None, None, False, {}) for name in diagonal]
     with eval_mode(net), torch.enable_grad():
         for xs, _ in source:
             for xc in xs.to(device).split(chunk_size):
-                out, seen = _hooked_forward(net, layers, xc)
+                out, seen = _hooked_forward(net, layers + local, xc)
                 if first:
                     layers = _settle(layers, seen, xc.shape[0], diagonal, diag_sums)
+                    local = [m for m in local if _usable_local(m, seen[m.name], xc.shape[0])]
                     first = False
-                    seen = {k: v for k, v in seen.items() if k in {lay.name for lay in layers}}
+                    keep = {lay.name for lay in layers} | {m.name for m in local}
+                    seen = {k: v for k, v in seen.items() if k in keep}
                 _check_calls(layers, seen, xc.shape[0])
                 out2 = as_2d(out)
                 if fisher == "mc":
@@ -412,10 +418,15 @@ def kfac(
                 for lay in layers:
                     if lay.weight is not None:
                         lay.A = lay.A + _input_sum(lay, seen[lay.name][0][0], conv)
-                _backward(out2, factor, layers, seen, conv)
+                local_grads = _backward(out2, factor, layers, seen, conv, local)
+                for m, cols in zip(local, local_grads):
+                    _local_diagonal_sums(m, seen[m.name][0][0], cols, diagonal[m.name], diag_sums)
                 del out, seen
-                if diag_sums:
-                    _diagonal_sums(net, named, diag_sums, xc, factor)
+                rest = {n: diag_sums[n] for m in diagonal if m not in {q.name for q in local}
+                        for n in diagonal[m]}  # fmt: skip
+                if rest:
+                    _diagonal_sums(net, named, rest, xc, factor)
+                    diag_sums.update(rest)
                 count += xc.shape[0]
 
     _fill_zeros(layers, diag_sums, named, device)  # a shard without rows adds zeros
@@ -581,27 +592,75 @@ def _grad_rows(lay: _Layer, g: torch.Tensor, conv: str) -> torch.Tensor:
     return g.reshape(-1, g.shape[-1])
 
 
-def _backward(out2, factor, layers, seen, conv: str) -> None:
+def _usable_local(m: _Layer, calls: list, n: int) -> bool:
+    """A diagonal module whose own Jacobian can be taken per sample: called once per forward on
+    a tensor of ``n`` rows, giving a tensor of ``n`` rows."""
+    return (
+        len(calls) == 1
+        and calls[0][0] is not None
+        and calls[0][0].shape[:1] == (n,)
+        and calls[0][1].shape[:1] == (n,)
+    )
+
+
+def _local_diagonal_sums(m: _Layer, inp, cols: list, names: list, sums: dict) -> None:
+    """``sums[name] += Σ_n Σ_c (g_{n,c}ᵀ ∂z_n/∂θ)²`` for a module's own parameters ``θ``: the
+    columns ``g`` ``(C, n, *z)`` back-propagated to its output, pulled back through the module
+    alone, per sample (``torch.func``: ``vjp`` at each input, ``vmap`` over samples and
+    columns)."""
+    prefix = m.name + "." if m.name else ""
+    params = {nm[len(prefix):]: dict(m.module.named_parameters(recurse=False))[nm[len(prefix):]]
+              for nm in names}  # fmt: skip
+    params = {k: v.detach() for k, v in params.items()}
+    g = torch.stack(cols, 1) if cols else None  # (n, C, *z)
+    if g is None:
+        return
+
+    def per_sample(xi, gi):
+        _, pull = vjp(lambda p: functional_call(m.module, p, (xi[None],))[0], params)
+        return vmap(pull)(gi)[0]
+
+    try:
+        jac = vmap(per_sample)(inp, g)
+    except (RuntimeError, NotImplementedError):  # an op without a batching rule: row by row
+        with plain_kernels():
+            rows = []
+            for xi, gi in zip(inp, g):
+                _, pull = vjp(lambda p: functional_call(m.module, p, (xi[None],))[0], params)
+                rows.append({k: torch.stack([pull(c)[0][k] for c in gi]) for k in params})
+        jac = {k: torch.stack([r[k] for r in rows]) for k in params}
+    for leaf, j in jac.items():
+        name = prefix + leaf
+        sums[name] = sums[name] + j.detach().square().sum((0, 1)).double()
+
+
+def _backward(out2, factor, layers, seen, conv: str, local=()) -> list[list[torch.Tensor]]:
     """``G += Σ_c g_cᵀ g_c`` per layer: one backward pass per column ``c`` of ``factor``
     ``(n, O, C)`` to the layers' outputs (curvlinops does the same per column). The rows of
     several columns are stacked (up to `UNFOLD_NUMBERS` numbers per layer) so that one matrix
     product serves them."""
-    if not layers:
-        return
+    if not layers and not local:
+        return []
     zs = [seen[lay.name][0][1] for lay in layers]
+    local_zs = [seen[m.name][0][1] for m in local]
+    local_cols: list[list[torch.Tensor]] = [[] for _ in local]
     cols = factor.shape[-1]
     pending: list[list[torch.Tensor]] = [[] for _ in layers]
     for c in range(cols):
         grads = torch.autograd.grad(
-            (out2 * factor[:, :, c]).sum(), zs, retain_graph=c + 1 < cols, allow_unused=True
-        )
-        for i, (lay, g) in enumerate(zip(layers, grads)):
+            (out2 * factor[:, :, c]).sum(), zs + local_zs, retain_graph=c + 1 < cols,
+            allow_unused=True,
+        )  # fmt: skip
+        for i, g in enumerate(grads[len(zs):]):
+            local_cols[i].append(torch.zeros_like(local_zs[i]) if g is None else g.detach())
+        for i, (lay, g) in enumerate(zip(layers, grads[: len(zs)])):
             if g is None:  # the layer does not reach the outputs
                 continue
             pending[i].append(_grad_rows(lay, g, conv))
             if c + 1 == cols or sum(r.numel() for r in pending[i]) * 2 > UNFOLD_NUMBERS:
                 _add_gram(lay, torch.cat(pending[i]) if len(pending[i]) > 1 else pending[i][0])
                 pending[i] = []
+    return local_cols
 
 
 def _add_gram(lay: _Layer, rows: torch.Tensor) -> None:
