@@ -271,3 +271,13 @@ def test_layer_by_layer_predictive_with_batchnorm_diagonal_blocks():
     f_ref, cov_ref = Posterior.linearized_outputs(post, model, x[:9], w, 4)
     torch.testing.assert_close(f, f_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(cov, cov_ref, rtol=1e-10, atol=1e-13)
+
+
+def test_a_full_structure_too_large_to_hold_is_refused_naming_kron():
+    """A last layer with C = 1000 classes and P = 2048 features: the full structure's (K, K)
+    buffers would take 4·K²·4 bytes ≈ 62 TiB; refused at construction, before any work."""
+    net = nn.Sequential(nn.Linear(2048, 1000))
+    with pytest.raises(ValueError, match="hessian_structure: 'full' over K = 2,049,000 .*'kron'"):
+        Laplace(net, likelihoods.Categorical(), "last_layer", "full")
+    la = Laplace(net, likelihoods.Categorical(), "last_layer", "kron")  # K-FAC is built
+    assert la.n_params == 2_049_000

@@ -40,6 +40,10 @@ from .base import Posterior, PriorPrecision
 DEFERRABLE = ("ggn", "precision_matrix", "scale_tril")
 #: Every buffer of the posterior, ``(K, K)`` each.
 BUFFERS = ("ggn", "precision_matrix", "covariance_matrix", "scale_tril")
+#: the most bytes the four ``(K, K)`` buffers may take (16 GiB: ``K ≤ 32768`` in float32,
+#: ``23170`` in float64): above it the structure is refused at construction, naming the others
+#: (a rule of ``K`` and the dtype alone, the same on every machine)
+MAX_BYTES = 16 * 2**30
 
 
 class Deferred:
@@ -73,6 +77,13 @@ class FullPosterior(Posterior):
     scale_tril = Deferred()
 
     def __init__(self, dim: int, dtype: torch.dtype = torch.float64, device=None) -> None:
+        need = len(BUFFERS) * dim * dim * torch.empty((), dtype=dtype).element_size()
+        if need > MAX_BYTES:
+            raise ValueError(
+                f"hessian_structure: 'full' over K = {dim:,} coordinates needs four ({dim:,}, "
+                f"{dim:,}) matrices, {need / 2**30:,.0f} GiB (more than {MAX_BYTES // 2**30} GiB); "
+                "use hessian_structure='kron' (K-FAC, for whole layers), 'lowrank' or 'diag'"
+            )
         super().__init__(dim, dtype, device)
         for name in BUFFERS:  # zeros without memory until fit (`_materialized`)
             zero = torch.zeros((), dtype=dtype, device=device)
