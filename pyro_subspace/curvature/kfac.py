@@ -418,7 +418,13 @@ def kfac(
                 for lay in layers:
                     if lay.weight is not None:
                         lay.A = lay.A + _input_sum(lay, seen[lay.name][0][0], conv)
-                local_grads = _backward(out2, factor, layers, seen, conv, local)
+                # a layer whose output is the network's (J_z = I) gets G = Σ_n H_n directly:
+                # no backward pass, and no C·out² per row for a last layer of many classes
+                last = [lay for lay in layers if fisher == "type-2" and _is_output(lay, seen, out2)]
+                for lay in last:
+                    _add_sum(lay, likelihood.output_hessian_sum(out2.detach()))
+                rest = [lay for lay in layers if lay not in last]
+                local_grads = _backward(out2, factor, rest, seen, conv, local)
                 for m, cols in zip(local, local_grads):
                     _local_diagonal_sums(m, seen[m.name][0][0], cols, diagonal[m.name], diag_sums)
                 del out, seen
@@ -661,6 +667,22 @@ def _backward(out2, factor, layers, seen, conv: str, local=()) -> list[list[torc
                 _add_gram(lay, torch.cat(pending[i]) if len(pending[i]) > 1 else pending[i][0])
                 pending[i] = []
     return local_cols
+
+
+def _is_output(lay: _Layer, seen: dict, out2: torch.Tensor) -> bool:
+    """The network's outputs are this Linear layer's (the clone its hook returned, possibly
+    reshaped to 2-D): then ``∂f/∂z = I``."""
+    z = seen[lay.name][0][1]
+    fn = out2.grad_fn
+    while fn is not None and type(fn).__name__ in ("ViewBackward0", "ReshapeAliasBackward0"):
+        fn = fn.next_functions[0][0]
+    if lay.conv or z.shape != out2.shape or fn is None or type(fn).__name__ != "CloneBackward0":
+        return False
+    return fn.next_functions[0][0] is z.grad_fn
+
+
+def _add_sum(lay: _Layer, g: torch.Tensor) -> None:
+    lay.G = g if lay.G is None else lay.G + g
 
 
 def _add_gram(lay: _Layer, rows: torch.Tensor) -> None:

@@ -194,6 +194,19 @@ class Likelihood(PyroModule):
         """
         return self._hessian(self.check_curvature_outputs(outputs))
 
+    def output_hessian_sum(self, outputs: torch.Tensor) -> torch.Tensor:
+        """``Σ_n H_n`` ``(O, O)`` float64 over the rows of ``outputs`` ``(N, O)``: the K-FAC
+        factor ``G`` of a layer whose output is the network's (``J_z = I``). By default from
+        `hessian_factor` in row blocks (``O²`` numbers per row at most); a likelihood with a
+        closed form overrides it (`Categorical`: ``diag(Σ p) − PᵀP``, no ``N × C × C``)."""
+        outputs = self.check_curvature_outputs(outputs)
+        o = outputs.shape[-1]
+        total = torch.zeros(o, o, dtype=torch.float64, device=outputs.device)
+        for block in outputs.split(max(1, 2**22 // (o * o))):
+            factor = self._hessian_factor(block).double()
+            total += torch.einsum("nor,npr->op", factor, factor)
+        return total
+
     def hessian_factor(self, outputs: torch.Tensor) -> torch.Tensor:
         """``L_n`` ``(N, O, R)`` with ``L_n L_nᵀ = H_n`` (``R = O``, or the rank of ``H_n`` where
         it is known to be lower: ``O − 1`` for `Categorical`), so ``Σ_n (L_nᵀ J_n)ᵀ (L_nᵀ J_n)`` is
@@ -229,7 +242,10 @@ class Likelihood(PyroModule):
 
         Args:
             f_mean: output means ``m`` ``(N, O)``.
-            f_cov: output covariances ``C`` ``(N, O, O)``.
+            f_cov: output covariances ``C`` ``(N, O, O)``, or only their variances ``(N, O)``
+                for a link approximation that reads nothing else (`diagonal_links`: the
+                probit and the Gaussian closed form; a last layer of many classes then never
+                holds ``N × C × C`` numbers).
             link_approx: ``"auto"`` or one of `link_approxes`: ``"closed_form"`` (Gaussian),
                 ``"probit"`` or ``"mc"`` (classification).
             num_samples: Monte Carlo draws per input (``"mc"``).
@@ -240,12 +256,21 @@ class Likelihood(PyroModule):
             A distribution with batch shape ``(N,)`` (``(N, O)`` for Gaussian regression).
         """
         link_approx = self.check_link_approx(link_approx)
-        if f_mean.dim() != 2 or tuple(f_cov.shape) != (*f_mean.shape, f_mean.shape[-1]):
+        full = (*f_mean.shape, f_mean.shape[-1]) if f_mean.dim() == 2 else None
+        if f_mean.dim() != 2 or tuple(f_cov.shape) not in (full, tuple(f_mean.shape)):
             raise ValueError(
-                f"f_mean, f_cov: expected shapes (N, O) and (N, O, O), got "
-                f"{tuple(f_mean.shape)} and {tuple(f_cov.shape)}"
+                f"f_mean, f_cov: expected shapes (N, O) and (N, O, O) (or variances (N, O)), "
+                f"got {tuple(f_mean.shape)} and {tuple(f_cov.shape)}"
+            )
+        if f_cov.dim() == 2 and link_approx not in self.diagonal_links:
+            raise ValueError(
+                f"f_cov: variances (N, O) serve only link_approx in {self.diagonal_links}; "
+                f"{link_approx!r} needs the covariances (N, O, O)"
             )
         return self._predictive(f_mean, f_cov, link_approx, num_samples, generator, include_noise)
+
+    #: the link approximations that read only the output variances (`predictive_from_moments`)
+    diagonal_links: tuple[str, ...] = ("probit", "closed_form")
 
     def _predictive(self, f_mean, f_cov, link_approx, num_samples, generator, include_noise):
         raise NotImplementedError
@@ -359,3 +384,9 @@ class Likelihood(PyroModule):
         per point ``(N,)`` (summed over the outputs of one point; probabilities clamped at
         ``1e-12``)."""
         raise NotImplementedError
+
+
+def output_variances(f_cov: torch.Tensor) -> torch.Tensor:
+    """The variances ``(N, O)`` of output covariances ``(N, O, O)`` (or of variances ``(N, O)``
+    themselves, `Likelihood.predictive_from_moments`)."""
+    return f_cov if f_cov.dim() == 2 else f_cov.diagonal(dim1=-2, dim2=-1)

@@ -10,7 +10,7 @@ from pyro.distributions import Distribution
 
 from ..validation import check_labels
 from ..linalg import gaussian_draws
-from .base import Likelihood
+from .base import Likelihood, output_variances
 
 
 class Bernoulli(Likelihood):
@@ -40,7 +40,7 @@ class Bernoulli(Likelihood):
             draws = gaussian_draws(f_mean, f_cov, num_samples, generator)
             probs = draws.squeeze(-1).sigmoid().mean(0)
         else:
-            kappa = (1 + math.pi / 8 * f_cov.diagonal(dim1=-2, dim2=-1)).rsqrt()
+            kappa = (1 + math.pi / 8 * output_variances(f_cov)).rsqrt()
             probs = (f_mean * kappa).squeeze(-1).sigmoid()
         return _Bernoulli(probs=probs)
 

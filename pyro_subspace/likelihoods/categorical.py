@@ -10,7 +10,7 @@ from pyro.distributions import Distribution
 
 from ..validation import check_labels
 from ..linalg import gaussian_draws
-from .base import Likelihood
+from .base import Likelihood, output_variances
 
 
 class Categorical(Likelihood):
@@ -61,6 +61,11 @@ class Categorical(Likelihood):
         p = out.softmax(-1)
         return torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
 
+    def output_hessian_sum(self, outputs: torch.Tensor) -> torch.Tensor:
+        """``Σ_n (diag(p_n) − p_n p_nᵀ) = diag(Σ_n p_n) − PᵀP`` ``(C, C)``, ``P`` ``(N, C)``."""
+        p = self.check_curvature_outputs(outputs).double().softmax(-1)
+        return torch.diag(p.sum(0)) - p.T @ p
+
     def _hessian_factor(self, out: torch.Tensor) -> torch.Tensor:
         """``L`` ``(n, C, C−1)`` with ``L Lᵀ = diag(p) − p pᵀ``: the Hessian has rank ``C − 1``
         (``H 1 = 0``), so ``C − 1`` Jacobian rows per point carry the whole GGN (a tenth fewer
@@ -94,7 +99,7 @@ class Categorical(Likelihood):
         elif link_approx in ("bridge", "bridge_norm"):
             probs = laplace_bridge(f_mean, f_cov, normalize=link_approx == "bridge_norm")
         else:
-            kappa = (1 + math.pi / 8 * f_cov.diagonal(dim1=-2, dim2=-1)).rsqrt()
+            kappa = (1 + math.pi / 8 * output_variances(f_cov)).rsqrt()
             probs = (f_mean * kappa).softmax(-1)
         return _Categorical(probs=probs)
 

@@ -10,7 +10,7 @@ from pyro.distributions import Distribution, Normal, constraints
 from pyro.nn import PyroParam
 
 from ..validation import check_finite, choice, positive_float
-from .base import Likelihood
+from .base import Likelihood, output_variances
 
 
 class Gaussian(Likelihood):
@@ -246,7 +246,7 @@ class Gaussian(Likelihood):
     def _predictive(self, f_mean, f_cov, link_approx, num_samples, generator, include_noise):
         """``N(m, C_oo + σ²)`` per output (closed form); a heteroscedastic net's mean column with
         its predicted ``s(x)²`` at the mean outputs."""
-        var_f = f_cov.diagonal(dim1=-2, dim2=-1)
+        var_f = output_variances(f_cov)
         with torch.no_grad():
             noise = self.variance(f_mean).detach().to(var_f)
         if self.heteroscedastic:

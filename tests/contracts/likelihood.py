@@ -85,6 +85,13 @@ class BaseLikelihoodTestCase:
         f = lik.hessian_factor(out)
         assert torch.allclose(f @ f.mT, lik.output_hessian(out), rtol=1e-12, atol=1e-14)
 
+    def test_output_hessian_sum_is_the_sum_of_the_hessians(self):
+        """``Σ_n H_n`` (K-FAC's ``G`` of the output layer) against the per-point Hessians."""
+        lik = self.create_likelihood()
+        out = self.outputs(4) * 2
+        want = lik.output_hessian(out).double().sum(0)
+        torch.testing.assert_close(lik.output_hessian_sum(out), want, rtol=1e-10, atol=1e-12)
+
     def test_log_prob_is_per_point_and_broadcasts_over_draws(self):
         lik = self.create_likelihood()
         out = self.outputs()

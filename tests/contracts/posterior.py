@@ -178,10 +178,10 @@ class BasePosteriorTestCase:
         full = post.feature_covariance(phi, rows, False).double()
         diagonal = post.feature_covariance(phi, rows, True).double()
         torch.testing.assert_close(full, expected, rtol=1e-10, atol=1e-12)
+        assert diagonal.shape == (4, 2)  # the variances only: no (n, C, C) array
         torch.testing.assert_close(
-            diagonal.diagonal(dim1=-2, dim2=-1), expected.diagonal(dim1=-2, dim2=-1),
-            rtol=1e-10, atol=1e-12,
-        )  # fmt: skip
+            diagonal, expected.diagonal(dim1=-2, dim2=-1), rtol=1e-10, atol=1e-12
+        )
 
     def test_newton_decrement_is_the_mahalanobis_norm(self):
         post, reference = self.fitted(self.prior("per_coordinate"))

@@ -41,22 +41,28 @@ def linearized_moments(
         x: inputs ``(N, ...)``, or a ``Dataset``/``DataLoader`` of ``(x, y)`` (its inputs in its
             order; the targets are not used).
         chunk_size: rows per Jacobian block (default the guide's).
-        diagonal: a last-layer subspace may fill only the variances ``C_oo`` (all that the
-            probit and regression predictives use).
+        diagonal: fill only the variances ``C_oo`` (all that the probit and regression
+            predictives use); the other entries are 0.
 
     Returns:
         ``f_mean`` ``(N, O)`` and ``f_cov`` ``(N, O, O)``, float64 (``J_P Σ J_Pᵀ`` is computed
         in the posterior's dtype: float32 for a float32 network's full structure,
         `AutoSubspaceLaplace`).
     """
-    guide = _check_guide(guide)
+    f_mean, f_cov = _moments(_check_guide(guide), x, chunk_size, diagonal)
+    return f_mean, torch.diag_embed(f_cov) if diagonal else f_cov
+
+
+def _moments(guide, x, chunk_size: int | None, variances: bool):
+    """``f_mean`` ``(N, O)`` and ``J Σ Jᵀ`` ``(N, O, O)`` (its variances ``(N, O)`` with
+    ``variances``) of a checked, fitted guide (`Posterior.linearized_outputs`)."""
     guide.model.check_data(x)
     if not isinstance(x, torch.Tensor):  # a Dataset / DataLoader: its inputs, in its order
         x = as_tensors(x)[0]
     ck.positive_int(chunk_size, "chunk_size", allow_none=True)
     chunk = guide.chunk_size if chunk_size is None else chunk_size
     w = guide.model.subspace.weights(guide.loc).detach()
-    return guide.posterior.linearized_outputs(guide.model, x, w, chunk, diagonal)
+    return guide.posterior.linearized_outputs(guide.model, x, w, chunk, variances)
 
 
 def linearized_predictive(
@@ -86,9 +92,8 @@ def linearized_predictive(
     ck.positive_int(num_samples, "num_samples"), ck.check_int(seed, "seed", 0, allow_none=True)
     lik = guide.likelihood
     link_approx = lik.check_link_approx(link_approx)
-    f_mean, f_cov = linearized_moments(
-        guide, x, chunk_size=chunk_size, diagonal=link_approx != "mc"
-    )
+    # the variances alone where the link reads nothing else (no N x O x O array)
+    f_mean, f_cov = _moments(guide, x, chunk_size, link_approx in lik.diagonal_links)
     gen = None
     if seed is not None:
         gen = torch.Generator(device=f_mean.device).manual_seed(seed)

@@ -226,23 +226,22 @@ class Posterior(nn.Module, ABC):
         self, phi: torch.Tensor, rows: torch.Tensor, diagonal: bool = False
     ) -> torch.Tensor:
         """A last layer: ``J[n, c, rows[c, p]] = φ̃[n, p]`` for features ``φ̃`` ``(n, P̃)`` and
-        ``rows`` ``(C, P̃)``; returns ``J Σ Jᵀ`` ``(n, C, C)`` (MoLA A.2; only the diagonal
-        filled when ``diagonal``)."""
+        ``rows`` ``(C, P̃)``; returns ``J Σ Jᵀ`` ``(n, C, C)`` (MoLA A.2), or with ``diagonal``
+        only its variances ``(n, C)``."""
         n, c = phi.shape[0], rows.shape[0]
         jp = phi.new_zeros(n, c, self.dim)
         for i in range(c):
             jp[:, i, rows[i]] = phi
-        out = self.functional_covariance(jp)
-        return torch.diag_embed(out.diagonal(dim1=-2, dim2=-1)) if diagonal else out
+        return self.functional_variance(jp) if diagonal else self.functional_covariance(jp)
 
     def linearized_outputs(
         self, model, x: torch.Tensor, w: torch.Tensor, chunk_size: int, diagonal: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The linearised outputs at the weights ``w`` ``(D,)``: ``f(x, w)`` ``(N, O)`` and
-        ``J Σ Jᵀ`` ``(N, O, O)``, float64 (Subnetwork Inference eqs. 11–12). By default over
-        the subspace's blocks: a last layer's features (`feature_covariance`, ``diagonal``: only
-        the variances filled), else its Jacobian blocks (`functional_covariance`), in the
-        posterior's dtype."""
+        ``J Σ Jᵀ`` ``(N, O, O)`` (with ``diagonal`` only its variances ``(N, O)``), float64
+        (Subnetwork Inference eqs. 11–12). By default over the subspace's blocks: a last
+        layer's features (`feature_covariance`), else its Jacobian blocks
+        (`functional_covariance`, `functional_variance`), in the posterior's dtype."""
         sub, dtype = model.subspace, self.buffer_dtype
         flat = FlatNet(model.flat.net, batch_strategy="loop")
         means, covs = [], []
@@ -251,9 +250,10 @@ class Posterior(nn.Module, ABC):
                 means.append(out.double())
                 covs.append(self.feature_covariance(phi.to(dtype), sub.rows, diagonal).double())
         else:
+            moments = self.functional_variance if diagonal else self.functional_covariance
             for out, jp in sub.jacobian_blocks(flat, x, w, chunk_size):
                 means.append(out.double())
-                covs.append(self.functional_covariance(jp.to(dtype)).double())
+                covs.append(moments(jp.to(dtype)).double())
         return torch.cat(means), torch.cat(covs)
 
     # ------------------------------------------------------------------ the tuner's sweep

@@ -90,7 +90,8 @@ class DiagonalPosterior(Posterior):
         self, phi: torch.Tensor, rows: torch.Tensor, diagonal: bool = False
     ) -> torch.Tensor:
         var = self.variance.to(phi.dtype)[rows]  # (C, P̃)
-        return torch.diag_embed(torch.einsum("np,cp->nc", phi.square(), var))
+        out = torch.einsum("np,cp->nc", phi.square(), var)
+        return out if diagonal else torch.diag_embed(out)
 
     def newton_decrement(self, grad: torch.Tensor) -> float:
         return float((self.variance * grad.double().square()).sum().clamp_min(0).sqrt())

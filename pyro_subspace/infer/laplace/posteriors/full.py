@@ -369,7 +369,7 @@ class FullPosterior(Posterior):
         phi = phi.to(cov.dtype)
         if diagonal:
             blocks = cov[rows[:, :, None], rows[:, None, :]]  # (C, P̃, P̃)
-            return torch.diag_embed(torch.einsum("np,cpq,nq->nc", phi, blocks, phi))
+            return torch.einsum("np,cpq,nq->nc", phi, blocks, phi)
         blocks = cov[rows[:, :, None, None], rows[None, None, :, :]]  # (C, P̃, C, P̃)
         return torch.einsum("np,cpdq,nq->ncd", phi, blocks, phi)
 

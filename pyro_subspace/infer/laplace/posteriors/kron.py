@@ -399,13 +399,14 @@ class KronPosterior(Posterior):
         ``φ̃_nj² Σ_b``; a diagonal block ``Σ_p φ̃_p² var``. Other layouts take the default."""
         n, c = phi.shape[0], rows.shape[0]
         phi64 = phi.double()
-        out = phi64.new_zeros(n, c, c)
+        out = phi64.new_zeros((n, c) if diagonal else (n, c, c))
         for block, m in zip(self.blocks(), self._prior_eigenvalues()):
             pos = block["pos"]
             if "diag" in block:
                 var = torch.zeros(self.dim, dtype=torch.float64, device=pos.device)
                 var[pos] = m.reciprocal()
-                out += torch.diag_embed(torch.einsum("np,cp->nc", phi64.square(), var[rows]))
+                v = torch.einsum("np,cp->nc", phi64.square(), var[rows])
+                out += v if diagonal else torch.diag_embed(v)
                 continue
             qg, qa = block["gvecs"], block["avecs"]
             cols = _columns(rows, pos.reshape(qg.shape[0], qa.shape[0]), self.dim)
@@ -413,9 +414,11 @@ class KronPosterior(Posterior):
                 return super().feature_covariance(phi, rows, diagonal)
             proj = phi64[:, cols] @ qa  # (n, in): Q_Aᵀ φ̃
             v = proj.square() @ m.reciprocal().T  # (n, out)
-            out += torch.einsum("ck,nk,dk->ncd", qg, v, qg)
-        out = out.to(phi.dtype)
-        return torch.diag_embed(out.diagonal(dim1=-2, dim2=-1)) if diagonal else out
+            if diagonal:  # diag(Q_G diag(v) Q_Gᵀ): no (n, C, C) array
+                out += v @ qg.square().T
+            else:
+                out += torch.einsum("ck,nk,dk->ncd", qg, v, qg)
+        return out.to(phi.dtype)
 
     # ------------------------------------------------------------------ the network's outputs
 
@@ -534,7 +537,7 @@ def _layer_outputs(net, layers, x, post: KronPosterior, eig, diagonal: bool):
         rows = [torch.autograd.grad(f, zs, eye[c], retain_graph=True) for c in range(o)]
         grads = [torch.stack([r[i] for r in rows]) for i in range(len(zs))]
     blocks = post.blocks()
-    cov = torch.zeros(n, o, o, dtype=torch.float64, device=f.device)
+    cov = torch.zeros((n, o) if diagonal else (n, o, o), dtype=torch.float64, device=f.device)
     for (name, (module, roles)), grad in zip(layers.items(), grads):
         if roles[0][1] == "diag":
             if not _diagonal_blocks(module, grad, seen[name][0][0], roles, blocks, eig, cov, diagonal):
@@ -554,7 +557,7 @@ def _layer_outputs(net, layers, x, post: KronPosterior, eig, diagonal: bool):
                 ai = torch.cat([a, a.new_ones(n, 1)], 1) if role == "augmented" else a
                 v = (ai @ block["avecs"]).square() @ m.reciprocal().T  # (n, out)
             if diagonal:
-                cov.diagonal(dim1=-2, dim2=-1).add_(torch.einsum("nok,nk->no", bq.square(), v))
+                cov += torch.einsum("nok,nk->no", bq.square(), v)
             else:
                 cov += torch.einsum("nok,nk,npk->nop", bq, v, bq)
     return f.detach().double(), cov
@@ -577,7 +580,7 @@ def _conv_layer(module, grad, inp, roles, blocks, eig, cov, diagonal: bool) -> N
             bq = b.sum(-1) @ block["gvecs"]  # (n, O, out)
             v = inv[:, 0]
             if diagonal:
-                cov.diagonal(dim1=-2, dim2=-1).add_(bq.square() @ v)
+                cov += bq.square() @ v
             else:
                 cov += torch.einsum("nok,k,npk->nop", bq, v, bq)
             continue
@@ -590,9 +593,7 @@ def _conv_layer(module, grad, inp, roles, blocks, eig, cov, diagonal: bool) -> N
             aq = torch.einsum("nir,il->nrl", a[s : s + width], block["avecs"])
             jt = torch.einsum("noar,nrl->noal", bq, aq)  # J (Q_G ⊗ Q_A): (rows, O, out, in')
             if diagonal:
-                cov[s : s + width].diagonal(dim1=-2, dim2=-1).add_(
-                    torch.einsum("noal,al->no", jt.square(), inv)
-                )
+                cov[s : s + width] += torch.einsum("noal,al->no", jt.square(), inv)
             else:
                 cov[s : s + width] += torch.einsum("noal,al,npal->nop", jt, inv, jt)
 
@@ -620,7 +621,7 @@ def _diagonal_blocks(module, grad, inp, roles, blocks, eig, cov, diagonal: bool)
         j = torch.cat([jac[leaf].flatten(2) for leaf in leaves], 2).double()  # (n, O, numel)
         inv = eig[i].reciprocal()
         if diagonal:
-            cov.diagonal(dim1=-2, dim2=-1).add_(j.square() @ inv)
+            cov += j.square() @ inv
         else:
             cov += torch.einsum("nok,k,npk->nop", j, inv, j)
     return True

@@ -201,11 +201,11 @@ class LowRankPosterior(Posterior):
         self, phi: torch.Tensor, rows: torch.Tensor, diagonal: bool = False
     ) -> torch.Tensor:
         diag, m, w = (v.to(phi.dtype) for v in self._covariance_parts())
-        out = torch.diag_embed(torch.einsum("np,cp->nc", phi.square(), diag[rows]))
+        var = torch.einsum("np,cp->nc", phi.square(), diag[rows])
         jm = torch.einsum("np,cpr->ncr", phi, m[rows])  # (n, C, k): rows of J δQ
         if diagonal:
-            return out + torch.diag_embed(torch.einsum("ncr,r,ncr->nc", jm, w, jm))
-        return out + torch.einsum("ncr,r,ndr->ncd", jm, w, jm)
+            return var + torch.einsum("ncr,r,ncr->nc", jm, w, jm)
+        return torch.diag_embed(var) + torch.einsum("ncr,r,ndr->ncd", jm, w, jm)
 
     def newton_step(self, evaluator, t: torch.Tensor, grad: torch.Tensor, prior: PriorPrecision):
         """``Σ ∇`` with this structure's ``Σ`` at ``t`` (Woodbury, no ``K × K`` matrix): the MAP
