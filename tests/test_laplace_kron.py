@@ -281,3 +281,19 @@ def test_a_full_structure_too_large_to_hold_is_refused_naming_kron():
         Laplace(net, likelihoods.Categorical(), "last_layer", "full")
     la = Laplace(net, likelihoods.Categorical(), "last_layer", "kron")  # K-FAC is built
     assert la.n_params == 2_049_000
+
+
+@pytest.mark.parametrize("structure", ["full", "kron"])
+def test_the_bridge_of_a_last_layer_reads_the_whole_logit_covariance(structure):
+    """``link_approx="bridge"`` needs the off-diagonal logit covariances: the last layer's
+    predictive gives it the whole ``(N, C, C)`` (only the probit gets the variances alone)."""
+    from pyro_subspace.infer import linearized_moments, linearized_predictive
+    from pyro_subspace.likelihoods.categorical import laplace_bridge
+
+    net, x, y = classifier()
+    la = Laplace(net, likelihoods.Categorical(), "last_layer", structure, LAM).fit(x, y)
+    f_mean, f_cov = linearized_moments(la.guide, x[:6])
+    want = laplace_bridge(f_mean, f_cov)
+    got = linearized_predictive(la.guide, x[:6], link_approx="bridge").probs
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert bool((f_cov - torch.diag_embed(f_cov.diagonal(dim1=-2, dim2=-1))).abs().max() > 0)
