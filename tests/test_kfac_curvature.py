@@ -558,3 +558,25 @@ def test_two_ranks_equal_one_process(tmp_path):
     assert int(got["n"]) == 24
     assert rel(got["tensor"], want) < 1e-10
     assert rel(got["loader"], want) < 1e-10
+
+
+@pytest.mark.parametrize("norm", ["batchnorm2d", "groupnorm"])
+def test_normalisation_layers_of_a_cnn_get_the_exact_ggn_diagonal(norm, device):
+    """A BatchNorm2d (closed form from its running statistics) and a GroupNorm (the generic
+    per-sample pull-back through the module) between convolutions: their blocks are the exact
+    GGN diagonal (brute-force Jacobians)."""
+    torch.manual_seed(4)
+    layer = nn.BatchNorm2d(3) if norm == "batchnorm2d" else nn.GroupNorm(1, 3)
+    net = nn.Sequential(nn.Conv2d(1, 3, 3), layer, nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3))
+    net = net.double()
+    if norm == "batchnorm2d":
+        net.train()
+        net(torch.randn(32, 1, 6, 6, dtype=F64))  # running statistics away from 0 and 1
+    net = net.eval().to(device)
+    lik = likelihoods.Categorical()
+    x = torch.randn(9, 1, 6, 6, dtype=F64, generator=torch.Generator().manual_seed(6)).to(device)
+    factors = kfac(net, lik, x, chunk_size=4)
+    block = next(b for b in factors.blocks if b.kind == "diagonal")
+    assert block.params == ("1.weight", "1.bias")
+    exact = exact_ggn(net, lik, x)
+    assert rel(block.diagonal, block_of(exact, block).diagonal()) < 1e-10

@@ -618,9 +618,11 @@ def _local_diagonal_sums(m: _Layer, inp, cols: list, names: list, sums: dict) ->
     params = {nm[len(prefix):]: dict(m.module.named_parameters(recurse=False))[nm[len(prefix):]]
               for nm in names}  # fmt: skip
     params = {k: v.detach() for k, v in params.items()}
-    g = torch.stack(cols, 1) if cols else None  # (n, C, *z)
-    if g is None:
+    if not cols:
         return
+    if _batchnorm_sums(m.module, inp, cols, prefix, params, sums):
+        return
+    g = torch.stack(cols, 1)  # (n, C, *z)
 
     def per_sample(xi, gi):
         _, pull = vjp(lambda p: functional_call(m.module, p, (xi[None],))[0], params)
@@ -638,6 +640,28 @@ def _local_diagonal_sums(m: _Layer, inp, cols: list, names: list, sums: dict) ->
     for leaf, j in jac.items():
         name = prefix + leaf
         sums[name] = sums[name] + j.detach().square().sum((0, 1)).double()
+
+
+def _batchnorm_sums(module, inp, cols, prefix: str, params: dict, sums: dict) -> bool:
+    """A BatchNorm in eval mode in closed form: ``z = γ x̂ + β`` with ``x̂`` from the running
+    statistics, so per sample and column ``J_γ = Σ_r g x̂`` and ``J_β = Σ_r g`` over the
+    feature's locations (one pass per column, no ``torch.func``); ``False`` for any other
+    module (or a BatchNorm using batch statistics)."""
+    bn = nn.modules.batchnorm._BatchNorm
+    if not isinstance(module, bn) or module.training or module.running_mean is None:
+        return False
+    shape = (1, -1) + (1,) * (inp.dim() - 2)
+    var = module.running_var.reshape(shape) + module.eps
+    xhat = (inp - module.running_mean.reshape(shape)) * var.rsqrt()
+    dims = tuple(range(2, inp.dim()))
+    for g in cols:  # (n, C_feat, *spatial)
+        if "weight" in params:
+            jw = (g * xhat).sum(dims) if dims else g * xhat
+            sums[prefix + "weight"] = sums[prefix + "weight"] + jw.square().sum(0).double()
+        if "bias" in params:
+            jb = g.sum(dims) if dims else g
+            sums[prefix + "bias"] = sums[prefix + "bias"] + jb.square().sum(0).double()
+    return True
 
 
 def _backward(out2, factor, layers, seen, conv: str, local=()) -> list[list[torch.Tensor]]:
