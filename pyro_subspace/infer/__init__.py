@@ -9,6 +9,7 @@ from .laplace import (
     DiagonalLaplace,
     Laplace,
     linearized_moments,
+    linearized_variances,
     linearized_predictive,
     probit,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "TrainedEnsemble",
     "far_away_confidence_bound",
     "linearized_moments",
+    "linearized_variances",
     "linearized_predictive",
     "probit",
     "run_chains",

@@ -10,7 +10,7 @@
 
 from .front import DiagonalLaplace, Laplace, all_weights
 from .guide import AutoSubspaceLaplace
-from .predictive import linearized_moments, linearized_predictive, probit
+from .predictive import linearized_moments, linearized_predictive, linearized_variances, probit
 from .posteriors import (
     POSTERIORS,
     DiagonalPosterior,
@@ -37,6 +37,7 @@ __all__ = [
     "check_grid",
     "linearized_moments",
     "linearized_predictive",
+    "linearized_variances",
     "make_posterior",
     "probit",
     "validation_log_likelihood",

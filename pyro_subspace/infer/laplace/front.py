@@ -25,7 +25,7 @@ from ...nn import SubspaceNet
 from ...subspaces import IndexSubspace, LastLayerSubspace, Subspace, subnetwork
 from ...transaction import transaction
 from .guide import AutoSubspaceLaplace
-from .predictive import linearized_moments
+from .predictive import linearized_moments, linearized_variances
 from .posteriors import check_structure
 from .tuning import optimize_prior_precision
 
@@ -302,7 +302,10 @@ class NetLaplace(nn.Module):
             out = lik.sample_prediction(self._nn_samples(x, n_samples, generator))
         else:
             glm_link = link_approx if link_approx in lik.link_approxes else "auto"
-            f_mu, f_var = linearized_moments(self.guide, x, diagonal=glm_link == "probit")
+            if glm_link == "probit":  # the variances alone: (N, C), never (N, C, C)
+                f_mu, f_var = linearized_variances(self.guide, x)
+            else:
+                f_mu, f_var = linearized_moments(self.guide, x)
             out = lik.glm_prediction(
                 f_mu, f_var, link_approx, n_samples, generator, diagonal_output
             )

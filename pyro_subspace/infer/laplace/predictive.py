@@ -53,6 +53,15 @@ def linearized_moments(
     return f_mean, torch.diag_embed(f_cov) if diagonal else f_cov
 
 
+def linearized_variances(
+    guide: AutoGuide, x: torch.Tensor, chunk_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``f_mean`` ``(N, O)`` and the variances ``diag(J_P Σ J_Pᵀ)`` ``(N, O)``, float64: what
+    the probit and the Gaussian closed form read (`linearized_moments` with only these; no
+    ``N × O × O`` array, so a last layer of many classes predicts in ``O(N·C)`` memory)."""
+    return _moments(_check_guide(guide), x, chunk_size, True)
+
+
 def _moments(guide, x, chunk_size: int | None, variances: bool):
     """``f_mean`` ``(N, O)`` and ``J Σ Jᵀ`` ``(N, O, O)`` (its variances ``(N, O)`` with
     ``variances``) of a checked, fitted guide (`Posterior.linearized_outputs`)."""
