@@ -411,10 +411,6 @@ def kfac(
                     seen = {k: v for k, v in seen.items() if k in keep}
                 _check_calls(layers, seen, xc.shape[0])
                 out2 = as_2d(out)
-                if fisher == "mc":
-                    factor = _mc_factor(likelihood, out2.detach(), mc_samples, gen)
-                else:
-                    factor = hessian_factor(likelihood, out2.detach()).to(out2)
                 for lay in layers:
                     if lay.weight is not None:
                         lay.A = lay.A + _input_sum(lay, seen[lay.name][0][0], conv)
@@ -424,15 +420,22 @@ def kfac(
                 for lay in last:
                     _add_sum(lay, likelihood.output_hessian_sum(out2.detach()))
                 rest = [lay for lay in layers if lay not in last]
-                local_grads = _backward(out2, factor, rest, seen, conv, local)
-                for m, cols in zip(local, local_grads):
-                    _local_diagonal_sums(m, seen[m.name][0][0], cols, diagonal[m.name], diag_sums)
+                whole = [m for m in diagonal if m not in {q.name for q in local}]
+                if rest or local or whole:  # the factor's columns (not needed for `last` alone)
+                    if fisher == "mc":
+                        factor = _mc_factor(likelihood, out2.detach(), mc_samples, gen)
+                    else:
+                        factor = hessian_factor(likelihood, out2.detach()).to(out2)
+                    local_grads = _backward(out2, factor, rest, seen, conv, local)
+                    for m, cols in zip(local, local_grads):
+                        _local_diagonal_sums(
+                            m, seen[m.name][0][0], cols, diagonal[m.name], diag_sums
+                        )
+                    if whole:  # modules without a local Jacobian: through the whole network
+                        others = {n: diag_sums[n] for m in whole for n in diagonal[m]}
+                        _diagonal_sums(net, named, others, xc, factor)
+                        diag_sums.update(others)
                 del out, seen
-                rest = {n: diag_sums[n] for m in diagonal if m not in {q.name for q in local}
-                        for n in diagonal[m]}  # fmt: skip
-                if rest:
-                    _diagonal_sums(net, named, rest, xc, factor)
-                    diag_sums.update(rest)
                 count += xc.shape[0]
 
     _fill_zeros(layers, diag_sums, named, device)  # a shard without rows adds zeros
