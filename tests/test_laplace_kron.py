@@ -54,9 +54,12 @@ def dense_kfac(la, x) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("subset,batchnorm", [("last_layer", False), ("all", False), ("all", True)])
-def test_kron_posterior_is_the_dense_posterior_of_the_kfac_curvature(subset, batchnorm):
+def test_kron_posterior_is_the_dense_posterior_of_the_kfac_curvature(subset, batchnorm, device):
     net, x, y = classifier(batchnorm)
-    la = Laplace(net, likelihoods.Categorical(), subset, "kron", LAM, temperature=2.0).fit(x, y)
+    la = Laplace(net.to(device), likelihoods.Categorical(), subset, "kron", LAM, temperature=2.0)
+    la.fit(x.to(device), y.to(device))
+    assert la.guide.posterior.prior_diagonal.device == device
+    la, net = la.cpu(), net.cpu()  # the dense checks below on the CPU
     c = dense_kfac(la, x)
     k = c.shape[0]
     precision = c / 2.0 + LAM * torch.eye(k, dtype=torch.float64)
@@ -212,16 +215,16 @@ def test_auto_picks_full_under_the_budget_and_kron_above_saying_why():
 
 
 @pytest.mark.parametrize("bias", ["separate", "augment"])
-def test_layer_by_layer_predictive_equals_the_jacobian_route(bias):
+def test_layer_by_layer_predictive_equals_the_jacobian_route(bias, device):
     """All layers of an MLP: ``J Σ Jᵀ`` from each layer's inputs and output Jacobians (no
     ``(N, O, K)`` Jacobian) equals the contract's route through the subspace's Jacobian blocks;
     an in-place ReLU after a layer does not disturb it."""
     torch.manual_seed(2)
     net = nn.Sequential(nn.Linear(3, 5), nn.ReLU(inplace=True), nn.Linear(5, 4), nn.Tanh(),
                         nn.Linear(4, 3)).double()  # fmt: skip
-    x = torch.randn(30, 3, dtype=torch.float64)
-    y = torch.randint(0, 3, (30,))
-    la = Laplace(net, likelihoods.Categorical(), "all", "kron", LAM,
+    x = torch.randn(30, 3, dtype=torch.float64).to(device)
+    y = torch.randint(0, 3, (30,)).to(device)
+    la = Laplace(net.to(device), likelihoods.Categorical(), "all", "kron", LAM,
                  structure_options={"bias": bias}).fit(x, y)  # fmt: skip
     post, model = la.guide.posterior, la.model
     w = model.subspace.weights(la.guide.loc)

@@ -18,7 +18,7 @@ scalar ``λ`` and a layerwise one (one value per parameter tensor: laplace-torch
    (its ``H`` leaves out ``1/σ²`` for regression, ours has it in ``G``), and the block layout
    (consecutive parameter tensors in ``parameters_to_vector`` order);
 2. the posterior precision applied to random vectors (laplace-torch's
-   ``posterior_precision.bmm(V, exponent=±1)``, ours ``KronPosterior._apply(V, ±1)``), and as a
+   ``posterior_precision.bmm(V, exponent=±1)``, ours ``KronPosterior.apply_precision(V)`` / ``apply_covariance(V)``), and as a
    dense matrix (``to_matrix()`` against ``precision()``), in laplace-torch's parameter order
    (our coordinates are the flat indices ``la.model.subspace.basis``, checked to be the whole
    vector, or the last Linear's weight (row-major) then bias);
@@ -222,9 +222,9 @@ def errors(kind, subset, prior, backend, approx, conv):
     out["eigenvalues"] = max(eig)
     # 2. the posterior precision (and covariance) on random vectors, and dense
     v = torch.randn(5, k, dtype=F64, generator=torch.Generator().manual_seed(2))
-    out["precision @ v"] = _rel(post._apply(v, 1.0), theirs.posterior_precision.bmm(v, exponent=1))
+    out["precision @ v"] = _rel(post.apply_precision(v), theirs.posterior_precision.bmm(v, exponent=1))
     out["covariance @ v"] = _rel(
-        post._apply(v, -1.0), theirs.posterior_precision.bmm(v, exponent=-1)
+        post.apply_covariance(v), theirs.posterior_precision.bmm(v, exponent=-1)
     )
     out["dense precision"] = _rel(post.precision(), theirs.posterior_precision.to_matrix())
     # 3. the GLM predictive

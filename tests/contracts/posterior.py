@@ -256,6 +256,22 @@ class BasePosteriorTestCase:
         want = torch.linalg.inv(0.3 * (reference - lam0) + lam0)
         torch.testing.assert_close(post.covariance().double(), want, rtol=1e-9, atol=1e-12)
 
+    def test_apply_covariance_and_precision_are_the_matrix_products(self):
+        post, reference = self.fitted(self.prior("per_coordinate"))
+        v = torch.randn(3, K, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+        torch.testing.assert_close(post.apply_precision(v), v @ reference, rtol=1e-10, atol=1e-12)
+        sigma = torch.linalg.inv(reference)
+        torch.testing.assert_close(post.apply_covariance(v), v @ sigma, rtol=1e-9, atol=1e-12)
+
+    def test_module_conversions_keep_the_posterior(self):
+        """``.to``/``.cpu``/``.double`` (what moving a guide does) go through ``nn.Module``'s
+        own machinery: nothing in a posterior may shadow it."""
+        post, _ = self.fitted(self.prior("per_coordinate"))
+        before = post.covariance().clone()
+        moved = post.cpu().to(torch.device("cpu"))
+        assert moved is post
+        torch.testing.assert_close(post.covariance(), before, rtol=0, atol=0)
+
     # ------------------------------------------------------------------ persistence
 
     def test_state_dict_round_trip(self):

@@ -207,6 +207,14 @@ class Posterior(nn.Module, ABC):
         the same structure returns it (dense by default)."""
         return self.precision()
 
+    def apply_covariance(self, v: torch.Tensor) -> torch.Tensor:
+        """``Σ v`` for ``v`` ``(..., K)`` (by default with the dense `covariance`)."""
+        return v.double() @ self.covariance().double()
+
+    def apply_precision(self, v: torch.Tensor) -> torch.Tensor:
+        """``Σ⁻¹ v`` for ``v`` ``(..., K)`` (by default with the dense `precision`)."""
+        return v.double() @ self.precision().double()
+
     @abstractmethod
     def marginal_variance(self) -> torch.Tensor:
         """``diag(Σ)`` ``(K,)``."""

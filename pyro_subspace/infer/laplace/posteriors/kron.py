@@ -284,7 +284,7 @@ class KronPosterior(Posterior):
             y = qg.T @ x @ qa
         return y.reshape(*y.shape[:-2], -1)
 
-    def _apply(self, v: torch.Tensor, power: float) -> torch.Tensor:
+    def _apply_power(self, v: torch.Tensor, power: float) -> torch.Tensor:
         """``Σ^{-power}``-like: ``(Q_G ⊗ Q_A) diag(m^power) (Q_G ⊗ Q_A)ᵀ v`` per block for
         ``v`` ``(..., K)`` (``power = −1``: ``Σ v``; ``1``: ``Σ⁻¹ v``)."""
         out = torch.zeros_like(v, dtype=torch.float64)
@@ -297,6 +297,14 @@ class KronPosterior(Posterior):
                 z = self._rotate(block, v[..., pos]) * m.reshape(-1).pow(power)
                 out[..., pos] = self._rotate(block, z, inverse=True)
         return out
+
+    def apply_covariance(self, v: torch.Tensor) -> torch.Tensor:
+        """``Σ v`` block by block in the eigenbasis, ``O(D (out + in))``, no dense matrix."""
+        return self._apply_power(v, -1.0)
+
+    def apply_precision(self, v: torch.Tensor) -> torch.Tensor:
+        """``Σ⁻¹ v`` block by block in the eigenbasis."""
+        return self._apply_power(v, 1.0)
 
     def draw(self, eps: torch.Tensor) -> torch.Tensor:
         """``F ε``, ``F = (Q_G ⊗ Q_A) diag(m^{-1/2})`` per block (``F Fᵀ = Σ``)."""
@@ -329,7 +337,7 @@ class KronPosterior(Posterior):
                     z = self._rotate(block, eye[pos][:, pos]) * m
                     out[pos[:, None], pos[None, :]] = self._rotate(block, z, inverse=True)
             return out
-        return self._apply(eye, power)
+        return self._apply_power(eye, power)
 
     def covariance(self) -> torch.Tensor:
         return self._dense(-1.0)
@@ -492,11 +500,11 @@ class KronPosterior(Posterior):
         other = copy.deepcopy(self)
         other.fit_curvature(evaluator, t)
         other.set_prior(prior.diagonalised())
-        return other._apply(grad, -1.0).to(grad)
+        return other._apply_power(grad, -1.0).to(grad)
 
     def newton_decrement(self, grad: torch.Tensor) -> float:
         g = grad.double()
-        return float((g * self._apply(g, -1.0)).sum().clamp_min(0).sqrt())
+        return float((g * self._apply_power(g, -1.0)).sum().clamp_min(0).sqrt())
 
 
 def _layer_outputs(net, layers, x, post: KronPosterior, eig, diagonal: bool):
