@@ -24,14 +24,20 @@
     dense (explicit per-sample Jacobians → ``G = Σ Jᵀ H J`` → ``torch.linalg.eigh`` and
     ``eigvalsh``) vs our `lanczos_eigh` on `ggn_vector_product`.
 
-(d) K-FAC Laplace (``--parts d``, not in the default run): on the digits MLP 64→128→128→10 at
-    its MAP, ``Laplace(..., "kron", structure_options={"conv": "backpack"})`` against
-    laplace-torch's ``KronLaplace`` (all weights) and ``KronLLLaplace`` (last layer) with
-    ``BackPackGGN``: agreement in float64 (K-FAC eigenvalues, precision on random vectors, GLM
-    logit moments, probit probabilities, evidence; as ``tests/test_laplace_kron_vs_laplace_torch``
+(d) K-FAC Laplace (``--parts d``, not in the default run): on the digits MLP 64→128→128→10 and
+    a small digits CNN (8×8 images: Conv2d(1, 16, 3, padding 1) → ReLU → Conv2d(16, 32, 3,
+    stride 2, padding 1) → ReLU → Flatten → Linear(512, 10)) at their MAPs (full-batch Adam,
+    seeded), ``Laplace(..., "kron", structure_options={"conv": ...})`` over the last layer and
+    over all weights against laplace-torch's ``KronLLLaplace`` / ``KronLaplace``: agreement in
+    float64 with the matching conventions (``BackPackGGN`` ↔ ``conv="backpack"``,
+    ``CurvlinopsGGN`` ↔ ``"expand"``; K-FAC eigenvalues, precision on random vectors, GLM logit
+    moments, probit probabilities, evidence; as ``tests/test_laplace_kron_vs_laplace_torch``
     checks on small nets) and the time of fit + probit predictive in float32 on one thread
     against laplace-torch's fastest K-FAC configuration (BackPackGGN / CurvlinopsGGN, DataLoader
-    batch ``N`` / 128, screened), in ``--repeats`` interleaved rounds (best of each).
+    batch ``N`` / 128, screened; ours with the convention of that backend), in ``--repeats``
+    interleaved rounds (best of each); then the peak RSS of a fresh process per configuration
+    (one fit + predictive after the imports, the MAP net and the data) against a baseline
+    process that stops before the fit (`kron_worker`; ``--no-kron-memory`` leaves it out).
 
 Conventions (identical for both libraries):
 
@@ -268,13 +274,13 @@ def best_of(fns: dict, repeats: int) -> tuple[dict, dict]:
     return {key: min(t) for key, t in times.items()}, outs
 
 
-def screen(Laplace, task: Task, configs) -> dict:
-    """laplace-torch fit time (float32) per ``(backend, batch)``: one warm-up fit, then one
+def screen(Laplace, task: Task, configs, dtype: torch.dtype = torch.float32) -> dict:
+    """laplace-torch fit time (in ``dtype``) per ``(backend, batch)``: one warm-up fit, then one
     timed fit, each on a fresh copy of the network (backends attach hooks to it); a
     configuration that fails maps to its error message instead."""
     out = {}
     for backend, batch in configs:
-        net, x, y, _ = task.cast(torch.float32)
+        net, x, y, _ = task.cast(dtype)
         try:
             fit_theirs(Laplace, task, net, x, y, batch, backend)
             start = time.perf_counter()
@@ -288,11 +294,13 @@ def screen(Laplace, task: Task, configs) -> dict:
 def part_a(args, Laplace) -> None:
     lam, k, chunk = args.prior_precision, args.subnetwork_size, args.chunk_size
     configs = [(b, n) for b, n in LT_CONFIGS if not args.quick or n == 32]
+    tdt = getattr(torch, args.time_dtype)  # the timed fits' dtype (float32 unless asked)
+    tname = args.time_dtype
     print("(a) Subnetwork Laplace, full K x K covariance: ours vs laplace-torch")
     print("    MLP (Tanh) diabetes 10-50-50-1, digits 64-64-64-10; K = " + f"{k} weights by")
     print(f"    diag-Laplace selection (same indices for both), lambda = {lam:g}, T = 1; our")
     print(f"    chunk_size = {chunk}.")
-    print("    Agreement in float64 (laplace-torch's default backend), times in float32 on one")
+    print(f"    Agreement in float64 (laplace-torch's default backend), times in {tname} on one")
     print("    thread: laplace-torch's configurations screened, the two fastest fits then raced")
     print(f"    against ours in {args.repeats} interleaved rounds after a warm-up (best of each),")
     print("    fits and then predictives; the one with the faster fit + predictive is reported.")
@@ -320,15 +328,15 @@ def part_a(args, Laplace) -> None:
                 )
                 row["probit"] = rel_elem(ours[2], theirs[2])
         agree_rows.append(row)
-        # --- timing, float32
-        lik32 = task.likelihood(torch.float32)
-        net32, x32, y32, xt32 = task.cast(torch.float32)
+        # --- timing, float32 (or --time-dtype)
+        lik32 = task.likelihood(tdt)
+        net32, x32, y32, xt32 = task.cast(tdt)
         fits = {"ours": partial(fit_ours, task, net32, x32, y32, lik32, chunk)}
         if Laplace is not None:
-            screens[name] = screen(Laplace, task, configs)
+            screens[name] = screen(Laplace, task, configs, tdt)
             timed = {c: t for c, t in screens[name].items() if isinstance(t, float)}
             for c in sorted(timed, key=timed.get)[:2]:
-                lt_net, lt_x, lt_y, _ = task.cast(torch.float32)
+                lt_net, lt_x, lt_y, _ = task.cast(tdt)
                 fits[c] = partial(fit_theirs, Laplace, task, lt_net, lt_x, lt_y, c[1], c[0])
         t_fit, fitted = best_of(fits, args.repeats)
         trow = {"task": name, "N": n, "ours": t_fit["ours"]}
@@ -381,7 +389,7 @@ def part_a(args, Laplace) -> None:
         print(f"    worst: {worst:.1e}  (target < 1e-6: {verdict})")
     print()
     if screens:
-        print("    laplace-torch screening: fit seconds (float32, one fit after a warm-up)")
+        print(f"    laplace-torch screening: fit seconds ({tname}, one fit after a warm-up)")
         print(f"    {'backend':<15}{'batch':>6}" + "".join(f"{t:>10}" for t in screens))
         for c in configs:
             cells = [screens[t][c] for t in screens]
@@ -394,7 +402,7 @@ def part_a(args, Laplace) -> None:
         for e in sorted(errors):
             print(f"      failed: {e}")
         print()
-    print("    Times in seconds (float32, one thread; fit = curvature + Sigma: laplace-torch's")
+    print(f"    Times in seconds ({tname}, one thread; fit = curvature + Sigma: laplace-torch's")
     print("    K x K Cholesky/inverse, ours the same or Woodbury from r = N*O < K GGN rows;")
     print("    predictive = GLM logit moments + probit / GLM mean and variance on the test set)")
     print(
@@ -410,7 +418,7 @@ def part_a(args, Laplace) -> None:
         line += f"{r['lt']:>8.3f}{r['lt'] / r['ours']:>6.1f}x{r['ours_pred']:>10.3f}"
         line += f"{r['lt_pred']:>8.3f}{r['lt_pred'] / r['ours_pred']:>6.1f}x{both:>8.1f}x"
         print(line + f"   {r['config'][0]}, batch {r['config'][1]}")
-    print("    float32 against our float64 fit (max relative difference: covariance")
+    print(f"    {tname} against our float64 fit (max relative difference: covariance")
     print("    max|a-b|/max|b|, functional variances elementwise)")
     for r in time_rows:
         line = f"    {r['task']:<9} ours cov {r['f32_ours'][0]:.1e} f var {r['f32_ours'][1]:.1e}"
@@ -636,34 +644,94 @@ KRON_LT_CONFIGS = [
     ("CurvlinopsGGN", None),
     ("CurvlinopsGGN", 128),
 ]
+#: our ``conv`` convention whose K-FAC of a Conv2d is each laplace-torch backend's
+#: (`curvature.kfac`, ``tests/test_laplace_kron_vs_laplace_torch.py``); for Linear layers the
+#: conventions coincide
+KRON_CONV = {"BackPackGGN": "backpack", "CurvlinopsGGN": "expand"}
+#: laplace-torch's all-weight GLM predictive on the CNN: test points per call (None: all M at
+#: once). CurvlinopsGGN's Jacobians are ``torch.func.jacrev`` of the whole batch's M*C logits, a
+#: vmap over M*C cotangents that each carry all M samples' activations, so time and memory grow
+#: like M^2: all M = 360 at once went past 18 GB and was killed for memory (24 GB machine);
+#: measured 6-9 ms per point at 1-8 points a call, 11 ms at 16, 23 ms at 32, 43 ms at 64.
+#: BackPack's per-output batch gradients grow like M (7.7 ms per point at 360, 8.6 at 128).
+#: Last layer: laplace-torch's Jacobians are closed-form features (every call takes all M).
+CNN_LT_PRED_CHUNK = {"BackPackGGN": None, "CurvlinopsGGN": 8}
 
 
-def make_kron_task(lam: float, quick: bool, seed: int = 0):
-    """The digits MLP 64-128-128-10 (Tanh) at its MAP (float32) and the data."""
+def cnn(n_classes: int = 10) -> nn.Module:
+    """Digits CNN on 8x8 images: 16 3x3 filters, 32 strided 3x3 filters, Linear 512 -> C."""
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(32 * 4 * 4, n_classes),
+    )  # fmt: skip
+
+
+#: the architectures of (d), untrained
+KRON_BUILD = {"MLP": partial(mlp, 64, 10, KRON_HIDDEN), "CNN": cnn}
+KRON_LABEL = {
+    "MLP": "digits MLP (Tanh) 64-128-128-10",
+    "CNN": "digits CNN 1x8x8 -Conv2d(1,16,3,p1)-ReLU-Conv2d(16,32,3,s2,p1)-ReLU-Linear(512,10)",
+}
+
+
+@dataclass
+class KronTask:
+    name: str  # "MLP" / "CNN" (`KRON_BUILD`)
+    net: nn.Module  # the MAP network, float32
+    x: torch.Tensor
+    y: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+    def copy(self, dtype: torch.dtype) -> nn.Module:
+        """A fresh copy of the MAP net in ``dtype`` (BackPack extends the model it is given)."""
+        out = KRON_BUILD[self.name]().to(dtype)
+        out.load_state_dict(self.net.state_dict())
+        return out.eval()
+
+    @property
+    def convs(self) -> tuple[str, ...]:
+        """Our conv conventions timed: the MLP has no Conv2d (all the same: 'backpack', as
+        before the CNN), the CNN each backend's (`KRON_CONV`)."""
+        return ("backpack",) if self.name == "MLP" else tuple(KRON_CONV.values())
+
+    def lt_chunk(self, backend: str, subset: str) -> int | None:
+        """Test points per laplace-torch predictive call (`CNN_LT_PRED_CHUNK`)."""
+        if self.name != "CNN" or subset != "all":
+            return None
+        return CNN_LT_PRED_CHUNK[backend]
+
+
+def kron_epochs(name: str, quick: bool) -> int:
+    """Full-batch Adam steps to the MAP of (d)'s ``name`` net."""
+    return (100 if quick else 500) if name == "MLP" else (60 if quick else 300)
+
+
+def make_kron_task(name: str, lam: float, quick: bool, seed: int = 0) -> KronTask:
+    """The digits net ``name`` at its MAP (float32; full-batch Adam, weight decay ``λ/N``,
+    seeded) and the data (the CNN's as ``(N, 1, 8, 8)`` images of the standardised pixels)."""
     torch.manual_seed(seed)
     data = datasets.digits(seed=seed)
-    x, y, x_test = data.x_train, data.y_train, data.x_test
+    x, y, x_test, y_test = data.x_train, data.y_train, data.x_test, data.y_test
+    if name == "CNN":
+        x, x_test = x.reshape(-1, 1, 8, 8), x_test.reshape(-1, 1, 8, 8)
     if quick:
-        x, y, x_test = x[:400], y[:400], x_test[:100]
-    net = mlp(x.shape[1], data.n_classes, KRON_HIDDEN)
+        x, y, x_test, y_test = x[:400], y[:400], x_test[:100], y_test[:100]
+    net = KRON_BUILD[name]()
+    epochs = kron_epochs(name, quick)
     fit_map(
         net,
         likelihoods.Categorical(),
         x,
         y,
-        epochs=100 if quick else 500,
+        epochs=epochs,
         lr=1e-2,
         weight_decay=lam / x.shape[0],
         seed=seed,
         progress=False,
     )
-    return net.eval(), x, y, x_test
-
-
-def kron_copy(net: nn.Module, dtype: torch.dtype) -> nn.Module:
-    out = mlp(net[0].in_features, net[-1].out_features, KRON_HIDDEN).to(dtype)
-    out.load_state_dict(net.state_dict())
-    return out.eval()
+    return KronTask(name, net.eval(), x, y, x_test, y_test)
 
 
 def fit_ours_kron(net, x, y, subset: str, lam: float, conv: str):
@@ -688,27 +756,38 @@ def fit_theirs_kron(net, x, y, subset: str, lam: float, backend: str, batch: int
     return la
 
 
-def predict_kron(la, x_test):
-    """Probit probabilities ``(M, C)`` (either library's ``la(x, link_approx="probit")``)."""
+def predict_kron(la, x_test, chunk: int | None = None):
+    """Probit probabilities ``(M, C)`` (either library's ``la(x, link_approx="probit")``), in
+    calls of ``chunk`` test points (``None``: one call)."""
+    parts = [x_test] if chunk is None else x_test.split(chunk)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", (UserWarning, FutureWarning))
-        return la(x_test, pred_type="glm", link_approx="probit")
+        return torch.cat([la(part, pred_type="glm", link_approx="probit") for part in parts])
 
 
-def fit_and_predict_ours(net, x, y, x_test, subset, lam):
+def glm_theirs(la, x_test, chunk: int | None = None):
+    """laplace-torch's GLM logit mean and covariance (its ``_glm_predictive_distribution``)."""
+    parts = [x_test] if chunk is None else x_test.split(chunk)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", (UserWarning, FutureWarning))
+        outs = [la._glm_predictive_distribution(part) for part in parts]
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+def fit_and_predict_ours(task: KronTask, subset: str, lam: float, conv: str):
     """Ours, timed: a float32 copy of the MAP net, `Laplace(..., "kron")` fit, probit."""
-    la = fit_ours_kron(kron_copy(net, torch.float32), x, y, subset, lam, "backpack")
-    return predict_kron(la, x_test)
+    la = fit_ours_kron(task.copy(torch.float32), task.x, task.y, subset, lam, conv)
+    return predict_kron(la, task.x_test)
 
 
-def fit_and_predict_theirs(net, x, y, x_test, subset, lam, config):
+def fit_and_predict_theirs(task: KronTask, subset: str, lam: float, config):
     """laplace-torch, timed: a float32 copy (BackPack extends the model it gets), fit, probit."""
     backend, batch = config
-    la = fit_theirs_kron(kron_copy(net, torch.float32), x, y, subset, lam, backend, batch)
-    return predict_kron(la, x_test)
+    la = fit_theirs_kron(task.copy(torch.float32), task.x, task.y, subset, lam, backend, batch)
+    return predict_kron(la, task.x_test, task.lt_chunk(backend, subset))
 
 
-def kron_agreement(ours, theirs, x_test) -> dict:
+def kron_agreement(ours, theirs, x_test, chunk: int | None = None) -> dict:
     """Largest relative differences (float64): K-FAC eigenvalues per block, the posterior
     precision on random vectors, the GLM logit mean / covariance / variances, the probit
     probabilities and the log marginal likelihood."""
@@ -719,106 +798,250 @@ def kron_agreement(ours, theirs, x_test) -> dict:
         want = ls[0] if len(ls) == 1 else torch.outer(ls[0], ls[1]).reshape(-1)
         eig.append(rel_norm(mine, want.sort().values))
     v = torch.randn(4, k, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", (UserWarning, FutureWarning))
-        t_mu, t_cov = theirs._glm_predictive_distribution(x_test)
+    t_mu, t_cov = glm_theirs(theirs, x_test, chunk)
     o_mu, o_cov = linearized_moments(ours, x_test)
     diag = lambda c: c.diagonal(dim1=-2, dim2=-1)  # noqa: E731
+    if hasattr(post, "apply_precision"):  # Σ⁻¹ v, Σ v block by block (no dense matrix)
+        prec_v, cov_v = post.apply_precision(v), post.apply_covariance(v)
+    else:  # the earlier private name
+        prec_v, cov_v = post._apply(v, 1.0), post._apply(v, -1.0)
     return {
         "eigenvalues": max(eig),
-        "precision v": rel_norm(post._apply(v, 1.0), theirs.posterior_precision.bmm(v, 1)),
-        "covariance v": rel_norm(post._apply(v, -1.0), theirs.posterior_precision.bmm(v, -1)),
+        "precision v": rel_norm(prec_v, theirs.posterior_precision.bmm(v, 1)),
+        "covariance v": rel_norm(cov_v, theirs.posterior_precision.bmm(v, -1)),
         "f mean": rel_norm(o_mu, t_mu),
         "f cov": rel_norm(o_cov, t_cov),
         "f var": rel_elem(diag(o_cov), diag(t_cov)),
-        "probit": rel_elem(predict_kron(ours, x_test), predict_kron(theirs, x_test)),
+        "probit": rel_elem(predict_kron(ours, x_test), predict_kron(theirs, x_test, chunk)),
         "lml": rel_norm(ours.log_marginal_likelihood(), theirs.log_marginal_likelihood()),
     }
 
 
+def kron_worker(spec: str, path: str, lam: float) -> None:
+    """Run in a fresh process: one fit + probit predictive of (d) (or nothing: ``baseline``),
+    then print the process's peak RSS. ``spec``: ``TASK:baseline``, ``TASK:SUBSET:ours:CONV``
+    or ``TASK:SUBSET:lt:BACKEND:BATCH`` (``BATCH`` ``N`` = all). Every mode imports both
+    libraries (laplace-torch with its BackPack and curvlinops backends) and loads the MAP net
+    and the data saved by the parent (no training here), so only the fit differs."""
+    import laplace.curvature  # noqa: F401  (BackPack, curvlinops, ASDL)
+
+    from pyro_subspace.infer import Laplace as _OurLaplace  # noqa: F401
+
+    blob = torch.load(path, weights_only=True)
+    parts = spec.split(":")
+    name = parts[0]
+    net = KRON_BUILD[name]()
+    net.load_state_dict(blob["state"])
+    task = KronTask(name, net.eval(), blob["x"], blob["y"], blob["x_test"], blob["y_test"])
+    if parts[1] != "baseline":
+        subset, who = parts[1], parts[2]
+        if who == "ours":
+            out = fit_and_predict_ours(task, subset, lam, parts[3])
+        else:
+            batch = None if parts[4] == "N" else int(parts[4])
+            out = fit_and_predict_theirs(task, subset, lam, (parts[3], batch))
+        assert out.shape == (len(task.x_test), 10)
+    else:
+        task.copy(torch.float32)
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux
+    print(f"KRON_PEAK {peak_rss() / 2**20:.1f} {maxrss / 1024:.1f}")
+
+
+def run_kron_worker(spec: str, path: str, lam: float) -> tuple[float, float] | None:
+    """Peak RSS (VmHWM, ru_maxrss; MiB) of a fresh `kron_worker` process, with glibc's
+    ``MALLOC_MMAP_THRESHOLD_`` fixed as in (b) (for every configuration alike)."""
+    cmd = [sys.executable, __file__, "--kron-worker", spec, "--kron-file", path]
+    cmd += ["--prior-precision", str(lam)]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    for line in done.stdout.splitlines():
+        if line.startswith("KRON_PEAK"):
+            return float(line.split()[1]), float(line.split()[2])
+    print(f"    worker {spec} failed: {done.stderr.strip().splitlines()[-1:]}")
+    return None
+
+
+def kron_memory(args, tasks: dict, chosen: dict) -> None:
+    """Peak RSS of fresh processes, each one configuration of (d) (`kron_worker`)."""
+    import tempfile
+
+    lam = args.prior_precision
+    print("    Peak memory: peak RSS (VmHWM, MiB) of a FRESH process per cell that imports torch,")
+    print("    pyro_subspace and laplace-torch (with BackPack and curvlinops), loads the MAP net")
+    print("    and the data (saved by this process; no training), then runs ONE fit + probit")
+    print("    predictive of the configuration timed above (no warm-up); 'baseline' is the same")
+    print("    process without the fit. MALLOC_MMAP_THRESHOLD_=131072 for all, as in (b).")
+    head = f"    {'task':<5}{'subset':<12}{'baseline':>9}{'ours':>8}{'lt':>8}"
+    print(head + f"{'ours-base':>10}{'lt-base':>9}{'lt/ours':>8}   ours conv / lt configuration")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, task in tasks.items():
+            path = os.path.join(tmp, f"{name}.pt")
+            torch.save(
+                {"state": task.net.state_dict(), "x": task.x, "y": task.y,
+                 "x_test": task.x_test, "y_test": task.y_test},
+                path,
+            )  # fmt: skip
+            base = run_kron_worker(f"{name}:baseline", path, lam)
+            for subset in ("last_layer", "all"):
+                if (name, subset) not in chosen:
+                    continue
+                conv, config = chosen[name, subset]
+                ours = run_kron_worker(f"{name}:{subset}:ours:{conv}", path, lam)
+                lt = None
+                if config is not None:
+                    batch = config[1] or "N"
+                    lt = run_kron_worker(f"{name}:{subset}:lt:{config[0]}:{batch}", path, lam)
+                line = f"    {name:<5}{subset:<12}"
+                line += f"{base[0]:>9.0f}" if base else f"{'-':>9}"
+                line += f"{ours[0]:>8.0f}" if ours else f"{'-':>8}"
+                line += f"{lt[0]:>8.0f}" if lt else f"{'-':>8}"
+                if base and ours:
+                    line += f"{ours[0] - base[0]:>10.0f}"
+                else:
+                    line += f"{'-':>10}"
+                if base and lt:
+                    line += f"{lt[0] - base[0]:>9.0f}"
+                    if ours and ours[0] > base[0]:
+                        line += f"{(lt[0] - base[0]) / (ours[0] - base[0]):>7.1f}x"
+                    else:
+                        line += f"{'-':>8}"
+                else:
+                    line += f"{'-':>9}{'-':>8}"
+                desc = f"{conv}"
+                if config is not None:
+                    desc += f" / {config[0]}, batch {config[1] or 'N'}"
+                    chunk = task.lt_chunk(config[0], subset)
+                    if chunk:
+                        desc += f", predictive {chunk} points a call"
+                print(line + f"   {desc}")
+    print("    (ours-base, lt-base: the fit's increment over the baseline; lt/ours their ratio)")
+    print()
+
+
 def part_d(args, Laplace) -> None:
     lam = args.prior_precision
-    net, x, y, x_test = make_kron_task(lam, args.quick)
-    n, d = x.shape[0], sum(p.numel() for p in net.parameters())
+    names = ("MLP", "CNN")
+    tasks = {name: make_kron_task(name, lam, args.quick) for name in names}
     print("(d) K-FAC Laplace (hessian_structure='kron'): ours vs laplace-torch's KronLaplace /")
-    print(f"    KronLLLaplace. Digits MLP (Tanh) 64-128-128-10 at its MAP, N = {n}, D = {d},")
-    print(f"    {x_test.shape[0]} test points, lambda = {lam:g}, type-2 Fisher (GGN).")
-    print("    Agreement in float64, BackPackGGN vs our conv='backpack'. Times in float32 on")
-    print("    one thread: fit + probit predictive, laplace-torch's configurations screened")
-    print("    (one timed run after a warm-up), its fastest then raced against ours in")
-    print(f"    {args.repeats} interleaved rounds after a warm-up (best of each).")
+    print(f"    KronLLLaplace, type-2 Fisher (GGN), lambda = {lam:g}, at the MAP (full-batch Adam,")
+    steps = ", ".join(f"{name} {kron_epochs(name, args.quick)} steps" for name in names)
+    print(f"    weight decay lambda/N, seeded: {steps}) of")
+    for name, task in tasks.items():
+        d = sum(p.numel() for p in task.net.parameters())
+        d_ll = sum(p.numel() for p in list(task.net.children())[-1].parameters())
+        with torch.no_grad():
+            acc = float((task.net(task.x_test).argmax(-1) == task.y_test).float().mean())
+        print(f"    {name}: {KRON_LABEL[name]},")
+        print(
+            f"         D = {d} (last layer {d_ll}), N = {task.x.shape[0]}, "
+            f"{task.x_test.shape[0]} test points, MAP test accuracy {acc:.3f}"
+        )
+    print("    Agreement in float64 with the matching conventions (BackPackGGN <-> our")
+    print("    conv='backpack', CurvlinopsGGN <-> 'expand'; the MLP has no Conv2d: BackPack only).")
+    print("    Times in float32 on one thread: fit + probit predictive, laplace-torch's")
+    print("    configurations screened (one timed run after a warm-up), its fastest then raced")
+    print(f"    against ours in {args.repeats} interleaved rounds after a warm-up (best of each).")
     print()
     subsets = ("last_layer", "all")
-    agree = {}
     if Laplace is not None:
-        net64, x64, xt64 = kron_copy(net, torch.float64), x.double(), x_test.double()
-        for subset in subsets:
-            ours = fit_ours_kron(net64, x64, y, subset, lam, "backpack")
-            theirs = fit_theirs_kron(
-                kron_copy(net, torch.float64), x64, y, subset, lam, "BackPackGGN", None
-            )
-            agree[subset] = kron_agreement(ours, theirs, xt64)
-            del ours, theirs
-        keys = list(agree[subsets[0]])
+        pairs = {"MLP": [("BackPackGGN", "backpack")], "CNN": list(KRON_CONV.items())}
+        agree = {}
+        for name, task in tasks.items():
+            net64, x64, xt64 = task.copy(torch.float64), task.x.double(), task.x_test.double()
+            for backend, conv in pairs[name]:
+                for subset in subsets:
+                    ours = fit_ours_kron(net64, x64, task.y, subset, lam, conv)
+                    theirs = fit_theirs_kron(
+                        task.copy(torch.float64), x64, task.y, subset, lam, backend, None
+                    )
+                    chunk = task.lt_chunk(backend, subset)
+                    agree[name, backend, conv, subset] = kron_agreement(ours, theirs, xt64, chunk)
+                    del ours, theirs
+        keys = list(next(iter(agree.values())))
         print("    Agreement (float64): largest relative difference, ours vs laplace-torch")
         print("    (max|a-b|/max|b|; f var and probit p elementwise max |a-b|/|b|)")
-        print(f"    {'subset':<12}" + "".join(f"{k:>13}" for k in keys))
-        for subset in subsets:
-            print(f"    {subset:<12}" + "".join(f"{agree[subset][k]:>13.1e}" for k in keys))
+        head = f"    {'task':<5}{'lt backend / ours':<25}{'subset':<11}"
+        short = {"eigenvalues": "eigvals", "precision v": "prec v", "covariance v": "cov v"}
+        print(head + "".join(f"{short.get(k, k):>9}" for k in keys))
+        for (name, backend, conv, subset), row in agree.items():
+            line = f"    {name:<5}{backend + ' / ' + conv:<25}{subset:<11}"
+            print(line + "".join(f"{row[k]:>9.1e}" for k in keys))
         worst = max(v for row in agree.values() for v in row.values())
         print(f"    worst: {worst:.1e}  (target < 1e-6: {'met' if worst < 1e-6 else 'MISSED'})")
         print()
-    rows = []
-    for subset in subsets:
-        runs = {"ours": partial(fit_and_predict_ours, net, x, y, x_test, subset, lam)}
-        screen_times = {}
-        if Laplace is not None:
-            for config in KRON_LT_CONFIGS:
-                run = partial(fit_and_predict_theirs, net, x, y, x_test, subset, lam, config)
-                try:
-                    run()  # warm-up
-                    start = time.perf_counter()
-                    run()
-                    screen_times[config] = time.perf_counter() - start
-                except Exception as exc:
-                    screen_times[config] = f"{type(exc).__name__}: {exc}"[:80]
-            timed = {c: t for c, t in screen_times.items() if isinstance(t, float)}
-            if timed:
-                best = min(timed, key=timed.get)
-                runs["lt"] = partial(fit_and_predict_theirs, net, x, y, x_test, subset, lam, best)
-        times, outs = best_of(runs, args.repeats)
-        row = {"subset": subset, "ours": times["ours"], "screen": screen_times}
-        if "lt" in times:
-            row.update(lt=times["lt"], config=best)
-            row["probit f32"] = rel_elem(outs["ours"], outs["lt"])
-        rows.append(row)
+    rows, chosen = [], {}
+    for name, task in tasks.items():
+        for subset in subsets:
+            runs = {
+                ("ours", conv): partial(fit_and_predict_ours, task, subset, lam, conv)
+                for conv in task.convs
+            }
+            screen_times = {}
+            if Laplace is not None:
+                for config in KRON_LT_CONFIGS:
+                    run = partial(fit_and_predict_theirs, task, subset, lam, config)
+                    try:
+                        run()  # warm-up
+                        start = time.perf_counter()
+                        run()
+                        screen_times[config] = time.perf_counter() - start
+                    except Exception as exc:
+                        screen_times[config] = f"{type(exc).__name__}: {exc}"[:80]
+                timed = {c: t for c, t in screen_times.items() if isinstance(t, float)}
+                if timed:
+                    best = min(timed, key=timed.get)
+                    runs["lt"] = partial(fit_and_predict_theirs, task, subset, lam, best)
+            times, outs = best_of(runs, args.repeats)
+            # ours with the convention of laplace-torch's fastest backend (the MLP: 'backpack')
+            conv = task.convs[0]
+            if "lt" in times and KRON_CONV[best[0]] in task.convs:
+                conv = KRON_CONV[best[0]]
+            row = {"task": name, "subset": subset, "ours": times["ours", conv], "conv": conv}
+            row["screen"] = screen_times
+            others = [c for c in task.convs if c != conv]
+            if others:
+                row["other"] = (others[0], times["ours", others[0]])
+            if "lt" in times:
+                row.update(lt=times["lt"], config=best)
+                row["probit f32"] = rel_elem(outs["ours", conv], outs["lt"])
+            chosen[name, subset] = (conv, best if "lt" in times else None)
+            rows.append(row)
     if Laplace is not None:
         print("    laplace-torch screening: fit + probit predictive seconds (float32)")
-        print(f"    {'backend':<15}{'batch':>6}" + "".join(f"{r['subset']:>12}" for r in rows))
+        cols = [f"{r['task']} {r['subset'].replace('last_layer', 'last')}" for r in rows]
+        print(f"    {'backend':<15}{'batch':>6}" + "".join(f"{c:>10}" for c in cols))
         for backend, batch in KRON_LT_CONFIGS:
             line = f"    {backend:<15}{str(batch or 'N'):>6}"
             for r in rows:
                 t = r["screen"][backend, batch]
-                line += f"{t:>12.3f}" if isinstance(t, float) else f"{'failed':>12}"
+                line += f"{t:>10.3f}" if isinstance(t, float) else f"{'failed':>10}"
             print(line)
         errors = {t for r in rows for t in r["screen"].values() if isinstance(t, str)}
         for e in sorted(errors):
             print(f"      failed: {e}")
+        chunk = CNN_LT_PRED_CHUNK["CurvlinopsGGN"]
+        print(f"      (CNN all, CurvlinopsGGN: its predictive in calls of {chunk} test points; all")
+        print("      at once needs > 18 GB: see CNN_LT_PRED_CHUNK)")
         print()
     print(f"    Times in seconds (float32, one thread, best of {args.repeats} interleaved rounds):")
-    print("    fit + probit predictive on the test set; ours conv='backpack', chunk_size 1024")
-    head = f"    {'subset':<12}{'ours':>8}{'lt':>8}{'lt/ours':>9}{'probit diff':>13}"
-    print(head + "   lt configuration")
+    print("    fit + probit predictive on the test set; ours chunk_size 1024 with the conv")
+    print("    convention of laplace-torch's fastest backend (the other convention's time beside)")
+    head = f"    {'task':<5}{'subset':<12}{'ours':>7}{'lt':>8}{'lt/ours':>8}  {'ours conv':<10}"
+    print(head + f"{'other conv':>18}{'probit diff':>12}   lt configuration")
     for r in rows:
-        line = f"    {r['subset']:<12}{r['ours']:>8.3f}"
+        line = f"    {r['task']:<5}{r['subset']:<12}{r['ours']:>7.3f}"
         if "lt" not in r:
-            print(line + f"{'-':>8}{'-':>9}")
+            print(line + f"{'-':>8}{'-':>8}  {r['conv']:<10}")
             continue
         backend, batch = r["config"]
-        line += f"{r['lt']:>8.3f}{r['lt'] / r['ours']:>8.1f}x{r['probit f32']:>13.1e}"
+        line += f"{r['lt']:>8.3f}{r['lt'] / r['ours']:>7.1f}x  {r['conv']:<10}"
+        other = f"{r['other'][0]} {r['other'][1]:.3f}" if "other" in r else "-"
+        line += f"{other:>18}{r['probit f32']:>12.1e}"
         print(line + f"   {backend}, batch {batch or 'N'}")
     print("    (probit diff: max |ours - lt| / lt of the float32 probabilities)")
     print()
+    if args.kron_memory:
+        kron_memory(args, tasks, chosen)
 
 
 def main() -> None:
@@ -837,14 +1060,31 @@ def main() -> None:
     parser.add_argument("--memory-n", type=int, nargs="*", default=None)
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument(
+        "--time-dtype",
+        choices=("float32", "float64"),
+        default="float32",
+        help="dtype of (a)'s timed fits and predictives, both libraries (agreement: float64)",
+    )
+    parser.add_argument(
         "--parts", default="abc", help="sections to run: a, b, c (default) and d (K-FAC Laplace)"
     )
+    parser.add_argument(
+        "--no-kron-memory",
+        dest="kron_memory",
+        action="store_false",
+        help="(d) without its peak-memory table (fresh processes)",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--kron-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--kron-file", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-n", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)  # one thread for both libraries (SciPy's BLAS follows torch's)
     if args.subnetwork_size is None:
         args.subnetwork_size = 300 if args.quick else 1000
+    if args.kron_worker is not None:
+        kron_worker(args.kron_worker, args.kron_file, args.prior_precision)
+        return
     if args.worker is not None:
         memory_worker(
             args.worker, args.worker_n, args.chunk_size, args.subnetwork_size, args.prior_precision
