@@ -108,3 +108,62 @@ def test_rotated_digits_keeps_the_standardisation():
     assert torch.allclose(turned, (flipped - d.x_mean) / d.x_std, atol=1e-3)
     with pytest.raises(ValueError, match="data"):
         ood.rotated_digits(datasets.diabetes(), 15.0)
+
+
+# ------------------------------------------- the rows of benchmarks/ood_digits.py and mola_vs_de.py
+
+
+def _tiny_args():
+    import argparse
+
+    return argparse.Namespace(members=2, epochs=2, swa_epochs=2, hidden=8, weight_decay=5e-4)
+
+
+def _check_rows(preds, laplace, data, seed):
+    """Each Laplace row has the structure its legend states (the full-GGN rows explicitly
+    'full', the K-FAC rows 'kron'), and MAP + TS is the first network's temperature scaling fitted
+    on the benchmark's validation split."""
+    from benchmarks.ood_digits import split_validation
+    from pyro_subspace.infer import TemperatureScaling
+    from pyro_subspace.infer.laplace.posteriors import FullPosterior, KronPosterior
+
+    kinds = {"full": FullPosterior, "kron": KronPosterior}
+    for name, (k, structure) in laplace.items():
+        la = preds[name]
+        assert la.hessian_structure == structure, name
+        assert len(la.members) == (1 if k == 1 else 2), name
+        for _, guide in la.members:
+            assert guide.hessian_structure == structure, name
+            assert isinstance(guide.posterior, kinds[structure]), name
+    _, _, x_val, y_val = split_validation(data, seed)
+    first = preds["MAP"].nets[0]
+    ts = preds["MAP + TS"]
+    assert ts.net is first
+    expected = TemperatureScaling(first).fit(x_val, y_val).temperature
+    assert torch.equal(ts.temperature, expected)
+
+
+def test_ood_digits_rows_use_the_structures_their_legend_states():
+    from benchmarks import ood_digits
+
+    data = datasets.digits(seed=0)
+    built, _ = ood_digits.build(data, _tiny_args(), 0)
+    assert set(built) == set(ood_digits.METHODS)
+    _check_rows({n: p for n, (p, _) in built.items()}, ood_digits.LAPLACE, data, 0)
+
+
+def test_mola_vs_de_rows_use_the_structures_their_legend_states():
+    from benchmarks import mola_vs_de
+
+    data = datasets.digits(seed=1)
+    preds, (_, new) = mola_vs_de.build(data, _tiny_args(), 1)
+    assert set(preds) == set(mola_vs_de.METHODS)
+    laplace = {
+        "LLLA": (1, "full"),
+        "MoLA": (None, "full"),
+        "MoLA-LL": (None, "full"),
+        "KFAC-LLLA": (1, "kron"),
+        "MoLA (K-FAC)": (None, "kron"),
+    }
+    _check_rows(preds, laplace, data, 1)
+    assert set(new) == {"KFAC-LLLA", "MoLA (K-FAC)", "T (MAP + TS)"}

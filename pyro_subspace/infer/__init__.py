@@ -16,6 +16,7 @@ from .laplace import (
 from .mixture_laplace import LastLayerLaplace, MixtureOfLaplace
 from .mola_bound import far_away_confidence_bound
 from .swag import SWAG, MultiSWAG
+from .temperature_scaling import TemperatureScaling
 
 __all__ = [
     "SWAG",
@@ -29,6 +30,7 @@ __all__ = [
     "MixtureOfLaplace",
     "MixturePredictor",
     "MultiSWAG",
+    "TemperatureScaling",
     "TrainedEnsemble",
     "far_away_confidence_bound",
     "linearized_moments",
