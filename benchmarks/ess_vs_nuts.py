@@ -14,7 +14,7 @@ each measured in a fresh process (``ru_maxrss`` increase).
 
 ``--gess`` prints instead the generalised elliptical slice tables (issue 13): at T = N/K and
 T = 1, for toy and diabetes and K = 2, 5, 10: NUTS, plain ESS, and
-`GeneralizedEllipticalSliceSampler` (the subspace Laplace fit as a fixed reference, the kernel's
+`EllipticalSliceSampler(reference=...)` (the generalised kernel: the subspace Laplace fit as a fixed reference, the kernel's
 default for it) with its chains run one at a time and in one batched pass; effective samples/s,
 R-hat, evaluations (and batched passes) per draw and the ratio to NUTS. R-hat is ArviZ's
 rank-normalised split R-hat, the larger of the bulk and the folded (tail) one. Its Monte Carlo
@@ -57,7 +57,7 @@ from pyro_subspace import (
     likelihoods,
     subspaces,
 )
-from pyro_subspace.infer import GeneralizedEllipticalSliceSampler
+from pyro_subspace.infer import EllipticalSliceSampler as _Kernel
 
 
 def load_average() -> list[str]:
@@ -214,7 +214,7 @@ def slice_kernel(kind: str, model: SubspaceNet, chains: int):
     if kind == "ESS":
         return EllipticalSliceSampler(model)
     batched = chains if kind == "GESS-bat" else None
-    return GeneralizedEllipticalSliceSampler(model, reference="laplace", chains=batched, seed=0)
+    return _Kernel(model, reference="laplace", chains=batched, seed=0)
 
 
 def run_chains(kernel, x, y, draws: int, warmup: int, chains: int):

@@ -183,16 +183,16 @@ def test_laplace_inference_in_a_subnetwork_or_ggn_subspace(tmp_path, subspace):
 
 
 def test_gess_inference_option_runs_the_generalised_kernel(tmp_path, monkeypatch):
-    """--inference gess runs `GeneralizedEllipticalSliceSampler` with the Laplace reference (its
+    """--inference gess runs the elliptical slice kernel with the Laplace reference (its
     correctness against closed-form posteriors is tests/test_gess.py's)."""
     from pyro_subspace.cli import fit
-    from pyro_subspace.infer import GeneralizedEllipticalSliceSampler
+    from pyro_subspace.infer import EllipticalSliceSampler
 
     built, make = [], fit.MCMC_KERNELS["gess"]
     monkeypatch.setitem(fit.MCMC_KERNELS, "gess", lambda m: built.append(make(m)) or built[-1])
     argv = TINY + MCMC + ["--inference", "gess", "--rank", "2", "--out", str(tmp_path)]
     assert set(cli.execute(argv)["rows"]) == {"MAP (SWA)", "PCA+GESS"}
-    assert len(built) == 1 and isinstance(built[0], GeneralizedEllipticalSliceSampler)
+    assert len(built) == 1 and isinstance(built[0], EllipticalSliceSampler)
     assert built[0].evaluations_per_draw >= 1  # it sampled: at least one evaluation per draw
 
 

@@ -83,10 +83,10 @@ def compute(x, y, loader):
     )  # fmt: skip
     mcmc.run(x, y)
     out["ess_chain"] = mcmc.get_samples()["t"]
-    from pyro_subspace.infer import GeneralizedEllipticalSliceSampler
+    from pyro_subspace.infer import EllipticalSliceSampler
 
     for name, data in (("gess_chain", (x, y)), ("gess_loader_chain", (loader,))):
-        kernel = GeneralizedEllipticalSliceSampler(model, reference="prior", seed=0, chunk_size=16)
+        kernel = EllipticalSliceSampler(model, reference="prior", seed=0, chunk_size=16)
         mcmc = MCMC(kernel, num_samples=60, warmup_steps=20, disable_progbar=True)
         mcmc.run(*data)  # the sharded likelihood is all-reduced: the full-data chain
         out[name] = mcmc.get_samples()["t"]

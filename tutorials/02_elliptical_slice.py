@@ -133,7 +133,7 @@ print("wrote", OUT / "02_elliptical_slice.png")
 # %% [markdown]
 # ## A fitted reference: generalised elliptical slice sampling
 # At `T = 1` the posterior is much narrower than the prior and plain ESS shrinks its bracket
-# many times per draw. `GeneralizedEllipticalSliceSampler` slices over a Gaussian reference
+# many times per draw. With `reference=` the same kernel slices over a Gaussian reference
 # `N(μ, Σ)` fitted to the posterior (here the Laplace guide, kept fixed; the chains start
 # dispersed, at draws of `N(μ, 4Σ)`, so that R-hat can see unmixed chains) and treats
 # `p(t) L(t) / N(t; μ, Σ)` as the likelihood (Nishihara, Murray & Adams, 2014); `chains=2`
@@ -143,13 +143,13 @@ print("wrote", OUT / "02_elliptical_slice.png")
 # MAP and the sampled spread is within a factor 2 of Laplace's.
 
 # %%
-from pyro_subspace.infer import AutoSubspaceLaplace, GeneralizedEllipticalSliceSampler
+from pyro_subspace.infer import AutoSubspaceLaplace
 
 cold = SubspaceNet(net, subspaces.pca(collector, rank=2), likelihood, temperature=1.0)
 laplace = AutoSubspaceLaplace(cold).fit(data.x_train, data.y_train)
 for name, kernel in [
     ("ESS", EllipticalSliceSampler(cold)),
-    ("GESS", GeneralizedEllipticalSliceSampler(cold, reference=laplace, chains=2, seed=0)),
+    ("GESS", EllipticalSliceSampler(cold, reference=laplace, chains=2, seed=0)),
 ]:
     mcmc = MCMC(kernel, num_samples=SAMPLES, warmup_steps=WARMUP, num_chains=2,
                 disable_progbar=True)  # fmt: skip

@@ -33,7 +33,6 @@ from ..flat import FlatNet
 from ..infer import (
     AutoSubspaceLaplace,
     EllipticalSliceSampler,
-    GeneralizedEllipticalSliceSampler,
     linearized_predictive,
 )
 from ..infer.laplace import all_weights
@@ -48,7 +47,7 @@ INFERENCE = ("ess", "gess", "nuts", "hmc", "vi", "laplace")
 MCMC_KERNELS = {
     "ess": EllipticalSliceSampler,
     # the generalised kernel: slices over the subspace Laplace posterior (fast at T = 1)
-    "gess": lambda model: GeneralizedEllipticalSliceSampler(model, reference="laplace"),
+    "gess": lambda model: EllipticalSliceSampler(model, reference="laplace"),
     "nuts": NUTS,
     "hmc": lambda model: HMC(model, num_steps=10),
 }
