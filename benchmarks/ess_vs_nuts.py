@@ -361,6 +361,12 @@ def main() -> None:
     memory_section()
 
 
+def _ratio(a: float, b: float) -> str:
+    """``a / b`` for the table; "n/a" when ``b`` is 0 (a step that reused memory the process
+    already held shows no peak-RSS increase)."""
+    return f"{a / b:.3f}" if b > 0 else f"n/a ({a:.1f} MB over 0)"
+
+
 def memory_section() -> None:
     """Peak memory: one likelihood evaluation chunked vs not; ESS setup and sampling vs ``N``."""
     print("\npeak memory of one likelihood evaluation, N = 200,000, toy net (MB above baseline)")
@@ -394,8 +400,8 @@ def memory_section() -> None:
         print(f"  {n:>9,}{rows[n][0]:>10.1f}{rows[n][1]:>18.1f}")
     small, large = rows[100_000], rows[1_000_000]
     print(
-        f"  ratio N=10^6 / N=10^5: setup {large[0] / small[0]:.3f}, "
-        f"setup + draws {large[1] / small[1]:.3f} (bounded by the chunk: within 1.10)"
+        f"  ratio N=10^6 / N=10^5: setup {_ratio(large[0], small[0])}, "
+        f"setup + draws {_ratio(large[1], small[1])} (bounded by the chunk: within 1.10)"
     )
 
 
