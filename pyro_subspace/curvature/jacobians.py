@@ -356,12 +356,20 @@ def factored_square_sums(
         for xc in x.split(min(rows, chunk_size) if chunk_size is not None else rows):
             with torch.no_grad():
                 lc = factor(as_2d(flat(w, xc))).to(w)  # shape: (n, O, C)
-            try:
-                jac = vmap(jacrev(one), in_dims=(None, 0, 0))(params, xc, lc)
-            except (RuntimeError, NotImplementedError):  # e.g. RNNs under vmap: row by row
-                with plain_kernels():
-                    per_row = [jacrev(one)(params, xn, ln) for xn, ln in zip(xc, lc)]
-                jac = {k: torch.stack([r[k] for r in per_row]) for k in params}
-            for name, j in jac.items():
-                sums[name] += j.detach().square().sum((0, 1))  # not in place: may alias
+            add_row_jacobian_squares(one, params, xc, lc, sums)
     return torch.cat([sums[name].reshape(-1) for name in flat.names])
+
+
+def add_row_jacobian_squares(one: Callable, params: dict, x, factor, sums: dict) -> None:
+    """``sums[k] += Σ_n Σ_c (∂ one(params, x_n, L_n)_c / ∂ params[k])²`` over the rows of ``x``
+    and ``factor`` ``(n, O, C)``: ``vmap`` over rows of ``jacrev``, and row by row under
+    `autodiff.plain_kernels` where ``vmap`` cannot batch (RNNs); not in place (a sum may alias
+    a parameter), in each sum's dtype."""
+    try:
+        jac = vmap(jacrev(one), in_dims=(None, 0, 0))(params, x, factor)
+    except (RuntimeError, NotImplementedError):  # e.g. RNNs under vmap: row by row
+        with plain_kernels():
+            per_row = [jacrev(one)(params, xn, ln) for xn, ln in zip(x, factor)]
+        jac = {k: torch.stack([r[k] for r in per_row]) for k in params}
+    for name, j in jac.items():
+        sums[name] = sums[name] + j.detach().square().sum((0, 1)).to(sums[name].dtype)

@@ -78,7 +78,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributions import Bernoulli, Categorical, Independent, Normal
-from torch.func import functional_call, jacrev, vjp, vmap
+from torch.func import functional_call, vjp, vmap
 
 from .. import distributed, rng
 from ..data import DataSource
@@ -87,7 +87,7 @@ from ..likelihoods import Likelihood, check_likelihood
 from ..threads import thread_policy
 from ..validation import check_inputs, check_int, choice, positive_int
 from .autodiff import plain_kernels
-from .jacobians import SQUARE_SUM_NUMBERS, as_2d
+from .jacobians import SQUARE_SUM_NUMBERS, add_row_jacobian_squares, as_2d
 from .output_hessian import hessian_factor
 
 __all__ = ["KronBlock", "KronFactors", "kfac"]
@@ -771,15 +771,12 @@ def _diagonal_sums(net, named, sums: dict, x: torch.Tensor, factor: torch.Tensor
         return ln.T @ functional_call(net, p, (xn.unsqueeze(0),)).reshape(-1)  # shape: (C,)
 
     factor = factor.detach()
+    for name in sums:  # float64 sums
+        sums[name] = sums[name] if isinstance(sums[name], torch.Tensor) else torch.zeros(
+            named[name].shape, dtype=torch.float64, device=named[name].device
+        )
     for xb, lb in zip(x.split(rows), factor.split(rows)):
-        try:
-            jac = vmap(jacrev(one), in_dims=(None, 0, 0))(params, xb, lb)
-        except (RuntimeError, NotImplementedError):  # e.g. RNNs under vmap: row by row
-            with plain_kernels():
-                per_row = [jacrev(one)(params, xn, ln) for xn, ln in zip(xb, lb)]
-            jac = {k: torch.stack([r[k] for r in per_row]) for k in params}
-        for name, j in jac.items():
-            sums[name] = sums[name] + j.detach().square().sum((0, 1)).double()
+        add_row_jacobian_squares(one, params, xb, lb, sums)
 
 
 def _assemble(net, layers, diagonal, diag_sums, count, dtype, fisher, conv, bias) -> KronFactors:
