@@ -577,15 +577,18 @@ CONV_BLOCK_NUMBERS = 2**22
 
 def _conv_layer(module, grad, inp, roles, blocks, eig, cov, diagonal: bool) -> None:
     """Add a Conv2d's blocks to ``cov`` ``(n, O, O)``: ``grad`` ``(O, n, out, H', W')`` is
-    ``∂f/∂z``, ``inp`` ``(n, in, H, W)`` the layer's input."""
+    ``∂f/∂z``, ``inp`` ``(n, in, H, W)`` the layer's input. The rotated Jacobian is formed in
+    the network's dtype (a float32 network's rounding, about 1e-7 relative), its squares summed
+    into float64."""
     o, n, out = grad.shape[:3]
-    b = grad.reshape(o, n, out, -1).permute(1, 0, 2, 3).double()  # (n, O, out, R)
-    patches = conv_patches(module, inp).double()  # (n, in', R)
+    dt = grad.dtype if grad.dtype in (torch.float32, torch.float64) else torch.float64
+    b = grad.reshape(o, n, out, -1).permute(1, 0, 2, 3).to(dt)  # (n, O, out, R)
+    patches = conv_patches(module, inp).to(dt)  # (n, in', R)
     for i, role, _ in roles:
         block, m = blocks[i], eig[i]
         inv = m.reciprocal()
         if role == "bias":  # J_b = Σ_r B_r: a Kronecker block with A = [1]
-            bq = b.sum(-1) @ block["gvecs"]  # (n, O, out)
+            bq = b.sum(-1).double() @ block["gvecs"]  # (n, O, out)
             v = inv[:, 0]
             if diagonal:
                 cov += bq.square() @ v
@@ -596,14 +599,16 @@ def _conv_layer(module, grad, inp, roles, blocks, eig, cov, diagonal: bool) -> N
         if role == "augmented":
             a = torch.cat([a, a.new_ones(n, 1, a.shape[-1])], 1)
         width = max(1, CONV_BLOCK_NUMBERS // max(1, o * inv.numel()))
+        qg, qa, inv_dt = block["gvecs"].to(dt), block["avecs"].to(dt), inv.to(dt)
         for s in range(0, n, width):
-            bq = torch.einsum("nokr,ka->noar", b[s : s + width], block["gvecs"])
-            aq = torch.einsum("nir,il->nrl", a[s : s + width], block["avecs"])
+            bq = torch.einsum("nokr,ka->noar", b[s : s + width], qg)
+            aq = torch.einsum("nir,il->nrl", a[s : s + width], qa)
             jt = torch.einsum("noar,nrl->noal", bq, aq)  # J (Q_G ⊗ Q_A): (rows, O, out, in')
             if diagonal:
-                cov[s : s + width] += torch.einsum("noal,al->no", jt.square(), inv)
+                cov[s : s + width] += (jt.square().flatten(2) @ inv_dt.reshape(-1)).double()
             else:
-                cov[s : s + width] += torch.einsum("noal,al,npal->nop", jt, inv, jt)
+                w = (jt * inv_dt).flatten(2)
+                cov[s : s + width] += (w @ jt.flatten(2).mT).double()
 
 
 def _diagonal_blocks(module, grad, inp, roles, blocks, eig, cov, diagonal: bool) -> bool:
