@@ -571,8 +571,8 @@ def _layer_outputs(net, layers, x, post: KronPosterior, eig, diagonal: bool):
     return f.detach().double(), cov
 
 
-#: the most numbers of a Conv2d's rotated Jacobian block ``(rows, O, out, in·kh·kw)`` at once (32 MiB)
-CONV_BLOCK_NUMBERS = 2**22
+#: the most numbers of a Conv2d's rotated Jacobian block ``(rows, O, out, in·kh·kw)`` at once (8 MiB in float64)
+CONV_BLOCK_NUMBERS = 2**20
 
 
 def _conv_layer(module, grad, inp, roles, blocks, eig, cov, diagonal: bool) -> None:
