@@ -27,36 +27,15 @@ import time
 import torch
 from torch import nn
 
-
-class BasicBlock(nn.Module):
-    """torchvision's ResNet BasicBlock: two 3×3 convolutions with BatchNorm and a projection
-    shortcut when the shape changes."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU(inplace=True)
-        self.downsample = None
-        if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.downsample is None else self.downsample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return self.relu(out + identity)
+from benchmarks.scale import Block
 
 
 def resnet18(classes: int = 10) -> nn.Module:
-    """ResNet-18 (torchvision's layer layout) with a CIFAR stem for 3×32×32 inputs."""
+    """ResNet-18 (torchvision's layer layout: `scale.Block` is its BasicBlock, two 3×3
+    convolutions with BatchNorm and a projection shortcut) with a CIFAR stem for 3×32×32."""
     layers, cin = [], 64
     for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-        layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+        layers += [Block(cin, cout, stride), Block(cout, cout, 1)]
         cin = cout
     return nn.Sequential(
         nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
