@@ -15,11 +15,14 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from pyro_subspace import likelihoods
 from pyro_subspace.curvature import KronFactors, kfac
+from pyro_subspace.curvature.kfac import conv_patches, expand_patch_gram
 from pyro_subspace.flat import FlatNet
 
 F64 = torch.float64
@@ -300,6 +303,31 @@ def test_circular_and_same_padding_equal_padding_the_input_first():
         want = kfac(nn.Sequential(plain, head), lik, padded, conv=c)
         for b, w in zip(got.blocks, want.blocks):
             torch.testing.assert_close(b.to_dense(), w.to_dense(), rtol=1e-12, atol=1e-15)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    k=st.tuples(st.integers(1, 4), st.integers(1, 4)),
+    stride=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+    pad=st.tuples(st.integers(0, 2), st.integers(0, 2)),
+    mode=st.sampled_from(["zeros", "reflect", "circular"]),
+    augment=st.booleans(),
+)
+def test_the_patch_gram_without_unfolding_equals_the_unfolded_gram(
+    k, stride, dilation, pad, mode, augment
+):
+    """`expand_patch_gram` (row patches, ``kh`` offsets) equals ``UᵀU`` of the unfolded
+    patches (``F.unfold``) for every kernel, stride, dilation, padding and padding mode."""
+    gen = torch.Generator().manual_seed(sum(k) + 7 * sum(stride) + 3 * sum(pad))
+    x = torch.randn(3, 2, 9, 8, generator=gen, dtype=F64)
+    conv = nn.Conv2d(2, 1, k, stride, pad, dilation, padding_mode=mode).double()
+    rows = conv_patches(conv, x).transpose(1, 2).reshape(-1, 2 * k[0] * k[1])
+    if augment:
+        rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], 1)
+    want = rows.T @ rows
+    got = expand_patch_gram(conv, x, augment)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
 
 
 # ------------------------------------------------------------------ 3. Monte Carlo

@@ -546,11 +546,8 @@ def conv_patches(m: nn.Conv2d, a: torch.Tensor) -> torch.Tensor:
     output locations)."""
     if m.padding_mode == "zeros" and not isinstance(m.padding, str):
         return F.unfold(a, m.kernel_size, m.dilation, m.padding, m.stride)
-    # a padding mode or a string padding: pad as Conv2d._conv_forward does (its private
-    # ``_reversed_padding_repeated_twice``), then unfold without padding
-    mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
-    a = F.pad(a, m._reversed_padding_repeated_twice, mode=mode)
-    return F.unfold(a, m.kernel_size, m.dilation, 0, m.stride)
+    # a padding mode or a string padding: pad as Conv2d._conv_forward does, then unfold
+    return F.unfold(_padded(m, a), m.kernel_size, m.dilation, 0, m.stride)
 
 
 def _gram(rows: torch.Tensor) -> torch.Tensor:
@@ -558,8 +555,80 @@ def _gram(rows: torch.Tensor) -> torch.Tensor:
     return (rows.T @ rows).double()
 
 
+def _padded(m: nn.Conv2d, a: torch.Tensor) -> torch.Tensor:
+    """``a`` padded as ``Conv2d._conv_forward`` pads it (every padding mode and string padding;
+    its private ``_reversed_padding_repeated_twice``: left, right, top, bottom)."""
+    pad = m._reversed_padding_repeated_twice
+    if not any(pad):
+        return a
+    mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+    return F.pad(a, pad, mode=mode)
+
+
+def _locations(m: nn.Conv2d, a: torch.Tensor) -> int:
+    """The number ``R`` of output locations of the Conv2d ``m`` at its input ``a``."""
+    left, right, top, bottom = m._reversed_padding_repeated_twice
+    size = (a.shape[2] + top + bottom, a.shape[3] + left + right)
+    return math.prod(
+        (s - d * (k - 1) - 1) // st + 1
+        for s, k, st, d in zip(size, m.kernel_size, m.stride, m.dilation)
+    )
+
+
+def expand_patch_gram(m: nn.Conv2d, a: torch.Tensor, augment: bool = False) -> torch.Tensor:
+    """``Σ_{n,r} u_{n,r} u_{n,r}ᵀ`` ``(P, P)`` (``P = in·kh·kw``, plus one with ``augment``: a
+    ones column) over the unfolded patches ``u`` of the Conv2d ``m`` at its input ``a``
+    ``(n, in, H, W)``, without unfolding them: equal to ``U ᵀU`` of `conv_patches`' rows.
+
+    Patches at kernel rows ``i`` and ``i'`` read the (padded) input rows ``s·r + d·i`` and
+    ``s·r + d·i'`` (stride ``s``, dilation ``d``), so each block ``(i, i')`` is a sum over the
+    output rows ``r`` of the products ``M_Δ(y) = Z_y Z_{y+dΔ}ᵀ`` of *row* patches ``Z_y``
+    ``(in·kw, n·W_out)`` (the input row ``y`` unfolded along the width only), ``Δ = i' - i``.
+    Only ``kh`` offsets ``Δ ≥ 0`` are multiplied (``M_{-Δ}`` is a transpose), once per padded row
+    instead of ``kh²`` times per output row: about ``kh`` times fewer multiply-adds than the
+    gram of the full patches for a stride-1 convolution (and no ``kh·kw``-fold copy of the
+    input, only a ``kw``-fold one)."""
+    (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
+    xp = _padded(m, a)
+    n, c, hp, _ = xp.shape
+    v = xp.unfold(3, dw * (kw - 1) + 1, sw)[..., ::dw]  # shape: (n, c, hp, W_out, kw)
+    h_out = (hp - dh * (kh - 1) - 1) // sh + 1
+    z = v.permute(2, 1, 4, 0, 3).reshape(hp, c * kw, -1)  # row patches (hp, c·kw, n·W_out)
+    q = c * kw
+    blocks = z.new_empty(kh, kh, q, q)
+    last = sh * (h_out - 1) + 1  # rows s·r, r < h_out, from a block's first row
+    for delta in range(kh):
+        prod = torch.matmul(z[: hp - dh * delta], z[dh * delta :].transpose(1, 2))
+        for i in range(kh - delta):
+            block = prod[dh * i : dh * i + last : sh].sum(0)
+            blocks[i, i + delta] = block
+            if delta:
+                blocks[i + delta, i] = block.T
+    # (i, i', c·kw, c'·kw) -> (c, i, j, c', i', j'): the order of weight.reshape(out, -1)
+    p = c * kh * kw
+    gram = blocks.reshape(kh, kh, c, kw, c, kw).permute(2, 0, 3, 4, 1, 5).reshape(p, p)
+    if not augment:
+        return gram.double()
+    sums = z.sum(2)  # (hp, c·kw)
+    col = torch.stack([sums[dh * i : dh * i + last : sh].sum(0) for i in range(kh)])
+    col = col.reshape(kh, c, kw).permute(1, 0, 2).reshape(p)
+    out = gram.new_empty(p + 1, p + 1)
+    out[:p, :p], out[:p, p], out[p, :p] = gram, col, col
+    out[p, p] = h_out * z.shape[2]  # the number of patches
+    return out.double()
+
+
 def _input_sum(lay: _Layer, a: torch.Tensor, conv: str) -> torch.Tensor:
     """This chunk's contribution to ``N·A`` (``"expand"``: already divided by ``R``)."""
+    if lay.conv and conv == "expand":
+        m = lay.module
+        per_row = a[0].numel() * m.kernel_size[1]  # the row patches' numbers per data point
+        step = max(1, UNFOLD_NUMBERS // max(1, per_row))
+        r = _locations(m, a)
+        total = 0.0
+        for start in range(0, a.shape[0], step):
+            total = total + expand_patch_gram(m, a[start : start + step], lay.augment)
+        return total / r
     if lay.conv:
         p = lay.module.in_channels * math.prod(lay.module.kernel_size)
         per_row = _patches(lay, a[:1]).numel()
