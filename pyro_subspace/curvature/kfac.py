@@ -552,7 +552,7 @@ def conv_patches(m: nn.Conv2d, a: torch.Tensor) -> torch.Tensor:
 
 def _gram(rows: torch.Tensor) -> torch.Tensor:
     """``rowsᵀ rows`` in float64 (float32 products are formed in float32, then widened)."""
-    return (rows.T @ rows).double()
+    return _gram32(rows).double()
 
 
 def _padded(m: nn.Conv2d, a: torch.Tensor) -> torch.Tensor:
@@ -657,17 +657,25 @@ def _ones_column(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows, rows.new_ones(rows.shape[0], 1)], 1)
 
 
-def _grad_rows(lay: _Layer, g: torch.Tensor, conv: str) -> torch.Tensor:
-    """Back-propagated columns at a layer's output as rows ``(·, out)``: one per data point
-    and location (``"expand"``) or summed over the locations (``"reduce"``, ``"backpack"``)."""
+def _grad_gram(lay: _Layer, g: torch.Tensor, conv: str) -> torch.Tensor:
+    """``Σ gᵀg`` ``(out, out)`` of one back-propagated column at a layer's output: over data
+    points and locations (``"expand"``) or of the sums over the locations (``"reduce"``,
+    ``"backpack"``). A convolution's ``(n, out, R)`` is multiplied per data point where
+    ``R ≥ out`` (no transposed copy), else as ``(n·R, out)`` rows."""
     if lay.conv:
         g = g.flatten(2)  # shape: (n, out, R)
-        if conv == "expand":
-            return g.transpose(1, 2).reshape(-1, g.shape[1])
-        return g.sum(2)
+        if conv != "expand":
+            return _gram32(g.sum(2))
+        if g.shape[2] >= g.shape[1]:
+            return torch.matmul(g, g.transpose(1, 2)).sum(0)
+        return _gram32(g.transpose(1, 2).reshape(-1, g.shape[1]))
     if g.dim() > 2 and conv != "expand":
-        return g.sum(tuple(range(1, g.dim() - 1)))
-    return g.reshape(-1, g.shape[-1])
+        return _gram32(g.sum(tuple(range(1, g.dim() - 1))))
+    return _gram32(g.reshape(-1, g.shape[-1]))
+
+
+def _gram32(rows: torch.Tensor) -> torch.Tensor:
+    return rows.T @ rows
 
 
 def _usable_local(m: _Layer, calls: list, n: int) -> bool:
@@ -738,16 +746,15 @@ def _batchnorm_sums(module, inp, cols, prefix: str, params: dict, sums: dict) ->
 
 def _backward(out2, factor, layers, seen, conv: str, local=()) -> list[list[torch.Tensor]]:
     """``G += Σ_c g_cᵀ g_c`` per layer: one backward pass per column ``c`` of ``factor``
-    ``(n, O, C)`` to the layers' outputs (curvlinops does the same per column). The rows of
-    several columns are stacked (up to `UNFOLD_NUMBERS` numbers per layer) so that one matrix
-    product serves them."""
+    ``(n, O, C)`` to the layers' outputs (curvlinops does the same per column); the columns'
+    products are added in the network's dtype, then once to the float64 sum."""
     if not layers and not local:
         return []
     zs = [seen[lay.name][0][1] for lay in layers]
     local_zs = [seen[m.name][0][1] for m in local]
     local_cols: list[list[torch.Tensor]] = [[] for _ in local]
     cols = factor.shape[-1]
-    pending: list[list[torch.Tensor]] = [[] for _ in layers]
+    chunk_sums: list[torch.Tensor | None] = [None for _ in layers]
     for c in range(cols):
         grads = torch.autograd.grad(
             (out2 * factor[:, :, c]).sum(), zs + local_zs, retain_graph=c + 1 < cols,
@@ -758,10 +765,11 @@ def _backward(out2, factor, layers, seen, conv: str, local=()) -> list[list[torc
         for i, (lay, g) in enumerate(zip(layers, grads[: len(zs)])):
             if g is None:  # the layer does not reach the outputs
                 continue
-            pending[i].append(_grad_rows(lay, g, conv))
-            if c + 1 == cols or sum(r.numel() for r in pending[i]) * 2 > UNFOLD_NUMBERS:
-                _add_gram(lay, torch.cat(pending[i]) if len(pending[i]) > 1 else pending[i][0])
-                pending[i] = []
+            gram = _grad_gram(lay, g, conv)
+            chunk_sums[i] = gram if chunk_sums[i] is None else chunk_sums[i].add_(gram)
+    for lay, total in zip(layers, chunk_sums):
+        if total is not None:
+            _add_sum(lay, total.double())
     return local_cols
 
 
@@ -779,13 +787,6 @@ def _is_output(lay: _Layer, seen: dict, out2: torch.Tensor) -> bool:
 
 def _add_sum(lay: _Layer, g: torch.Tensor) -> None:
     lay.G = g if lay.G is None else lay.G + g
-
-
-def _add_gram(lay: _Layer, rows: torch.Tensor) -> None:
-    if lay.G is None:
-        lay.G = _gram(rows)
-    else:
-        lay.G += _gram(rows)
 
 
 def _draw(dist, generator: torch.Generator, device: torch.device) -> torch.Tensor:
