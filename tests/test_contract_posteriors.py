@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from contracts.posterior import TEMPERATURE, BasePosteriorTestCase, K
+from contracts.posterior import TEMPERATURE, BasePosteriorTestCase, K, assert_fit_statistics
 from torch import nn
 
 from pyro_subspace import FlatNet, SubspaceNet, likelihoods
@@ -117,12 +117,15 @@ class TestKronPosterior(BasePosteriorTestCase):
         lik = likelihoods.Categorical()
         model = SubspaceNet(net, all_weights(net), lik)
         x = torch.randn(1, 2, dtype=torch.float64)
+        y = torch.tensor([2])
         post = self.create_posterior(model.rank)
-        post.fit_curvature(model.evaluator(x, torch.zeros(1, dtype=torch.long)), torch.zeros(27).double())
+        stats = post.fit_curvature(model.evaluator(x, y), torch.zeros(27).double())
+        assert stats is not None  # K-FAC's forward pass gives the evidence's statistics
         w = flat.vector()
         with eval_mode(net):
             j = torch.autograd.functional.jacobian(lambda ww: flat(ww, x), w)
             h = lik.output_hessian(flat(w, x))
+            assert_fit_statistics(stats, flat(w, x), y)
         ggn = torch.einsum("nok,nop,npj->kj", j, h, j)
         owner = torch.cat([torch.full((p.numel(),), i) for i, p in enumerate(net.parameters())])
         same = owner[:, None] == owner[None, :]

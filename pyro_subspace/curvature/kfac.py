@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -328,6 +328,7 @@ def kfac(
     generator: torch.Generator | int | None = None,
     mc_samples: int = 1,
     dtype: torch.dtype | None = None,
+    on_outputs: Callable[[torch.Tensor, torch.Tensor | None], None] | None = None,
 ) -> KronFactors:
     """K-FAC factors of the GGN (type-2 Fisher) for ``nn.Linear``/``nn.Conv2d`` layers, the
     exact GGN diagonal for every other covered parameter, in one pass over the data.
@@ -360,6 +361,9 @@ def kfac(
         mc_samples: draws per data point for ``"mc"`` (must be 1 for ``"type-2"``).
         dtype: dtype of the returned factors (default the network's). Each chunk's products
             are formed in the network's dtype and added up in float64.
+        on_outputs: called with each pass's outputs ``(n, O)`` (detached) and its rows of the
+            targets (``None`` without targets), so that a caller computes statistics of the
+            same forward pass (the Laplace evidence's ``log p(D | θ)``) without a second one.
 
     Returns:
         `KronFactors`: for each K-FAC layer a ``"kron"`` block ``G ⊗ A`` of the weight (plus a
@@ -405,11 +409,12 @@ def kfac(
     # from the same backward passes (`_local_diagonal_sums`); others through the whole network
     local = [_Layer(name, modules[name], None, None, False, {}) for name in diagonal]
     with eval_mode(net), torch.enable_grad():
-        for xs, _ in source:
+        for xs, ys in source:
             xs = xs.to(device)
-            if first and xs.shape[0]:  # rows per pass: the chunk, or fewer where one layer's output is large
+            if first and xs.shape[0]:  # the chunk, or fewer rows where a layer's output is large
                 chunk_size = _rows_per_pass(net, layers + local, xs, chunk_size)
-            for xc in xs.split(chunk_size):
+            ycs = ys.split(chunk_size) if ys is not None else None
+            for i, xc in enumerate(xs.split(chunk_size)):
                 out, seen = _hooked_forward(net, layers + local, xc)
                 if first:
                     layers = _settle(layers, seen, xc.shape[0], diagonal, diag_sums)
@@ -419,6 +424,8 @@ def kfac(
                     seen = {k: v for k, v in seen.items() if k in keep}
                 _check_calls(layers, seen, xc.shape[0])
                 out2 = as_2d(out)
+                if on_outputs is not None:
+                    on_outputs(out2.detach(), None if ycs is None else ycs[i])
                 for lay in layers:
                     if lay.weight is not None:
                         lay.A = lay.A + _input_sum(lay, seen[lay.name][0][0], conv)

@@ -19,6 +19,31 @@ from ..flat import FlatNet, preserved
 from ..curvature.gram import RootRows
 
 
+class MapStatistics:
+    """Sums of one pass's outputs for the Laplace evidence: ``log p(D | t)`` (untempered) and,
+    for a likelihood with one tunable noise scale, the residual sum of squares and the number of
+    observations (`Likelihood.residual_statistics`; else 0, 0). `Evaluator.map_statistics` runs
+    its own pass; a curvature pass that sees the outputs anyway adds them here instead."""
+
+    def __init__(self, likelihood) -> None:
+        self.likelihood = likelihood
+        self.loglik, self.sse, self.count = 0.0, 0.0, 0
+
+    def add(self, outputs: torch.Tensor, y: torch.Tensor, prepared: bool = True) -> None:
+        """Add a chunk: outputs ``(n, O)`` and its targets (``prepared=False``: as the data
+        source holds them; they are checked and prepared here)."""
+        lik = self.likelihood
+        with torch.no_grad():
+            if not prepared:
+                y = lik.validate(outputs, y.to(outputs.device))
+            self.loglik += float(lik.log_prob_prepared(outputs, y).sum())
+            sse, count = lik.residual_statistics(outputs, y)
+        self.sse, self.count = self.sse + sse, self.count + count
+
+    def totals(self) -> tuple[float, float, int]:
+        return self.loglik, self.sse, self.count
+
+
 class Evaluator:
     """Full-data quantities of ``model`` at coordinates ``t`` over ``data``.
 
@@ -139,15 +164,11 @@ class Evaluator:
     def map_statistics(self, t: torch.Tensor) -> tuple[float, float, int]:
         """``log p(D | t)`` (untempered) and, for a likelihood with one tunable noise scale,
         the residual sum of squares and the number of observations (else 0, 0)."""
-        model, lik = self.model, self.model.likelihood
-        loglik, sse, count = 0.0, 0.0, 0
+        stats = MapStatistics(self.model.likelihood)
         with torch.no_grad():
             for xc, yc in self.chunks():
-                out = model.outputs(t, xc)
-                loglik += float(lik.log_prob_prepared(out, yc).sum())
-                part_sse, part_count = lik.residual_statistics(out, yc)
-                sse, count = sse + part_sse, count + part_count
-        return self.data.reduce(loglik, sse, count)
+                stats.add(self.model.outputs(t, xc), yc)
+        return self.data.reduce(*stats.totals())
 
     # ------------------------------------------------------------------ curvature
 

@@ -48,6 +48,14 @@ def _gram() -> torch.Tensor:
 PER_COORDINATE = (0.5, 1.0, 2.0, 0.3, 0.9, 1.5)
 
 
+def assert_fit_statistics(stats, outputs: torch.Tensor, y: torch.Tensor) -> None:
+    """What `Posterior.fit_curvature` returns: ``None``, or the Categorical evidence's
+    statistics of its own pass, ``(Σ_n log softmax(f_n)_{y_n}, 0, 0)``."""
+    if stats is not None:
+        loglik = float(torch.log_softmax(outputs, -1)[torch.arange(y.shape[0]), y].sum())
+        assert stats[0] == pytest.approx(loglik, rel=1e-12) and tuple(stats[1:]) == (0, 0)
+
+
 class DenseEvaluator:
     """What `Posterior.fit_curvature` reads from an `Evaluator`, for a given dense ``C``."""
 
@@ -301,12 +309,15 @@ class BasePosteriorTestCase:
         gen = torch.Generator().manual_seed(3)
         x = torch.randn(8, 2, generator=gen, dtype=torch.float64)
         t = 0.2 * torch.randn(k, generator=gen, dtype=torch.float64)
-        ev = model.evaluator(x, torch.zeros(8, dtype=torch.long), chunk_size=3)
+        y = torch.randint(3, (8,), generator=gen)
+        ev = model.evaluator(x, y, chunk_size=3)
         post = self.create_posterior(k)
-        post.fit_curvature(ev, t)
+        stats = post.fit_curvature(ev, t)
         with eval_mode(net):
             j = torch.autograd.functional.jacobian(lambda tt: flat(sub.weights(tt), x), t)
-            h = lik.output_hessian(flat(sub.weights(t), x))
+            f = flat(sub.weights(t), x)
+            h = lik.output_hessian(f)
+        assert_fit_statistics(stats, f, y)
         c = torch.einsum("nok,nop,npj->kj", j, h, j)
         expected = self.reference_curvature(c)
         tol = self.curvature_rtol

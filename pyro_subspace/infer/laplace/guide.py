@@ -384,8 +384,10 @@ class AutoSubspaceLaplace(AutoContinuous):
             dtype, kinked = self.model.subspace.shift.dtype, has_kinks(self.model.flat.net)
             unconverged = (grad, tol, iterations, max_iter if used_up else None, dtype, kinked)
         self.loc.copy_(t.detach())
-        self.posterior.fit_curvature(ev, t)
-        loglik, sse, count = ev.map_statistics(t) if has_targets else (math.nan, 0.0, 0)
+        stats = self.posterior.fit_curvature(ev, t)  # its pass's statistics, or None
+        if stats is None:
+            stats = ev.map_statistics(t) if has_targets else (math.nan, 0.0, 0)
+        loglik, sse, count = stats
         self.map_log_likelihood.fill_(loglik)
         stats = FitStatistics(ev.temperature, ev.num_data, sse, count)
         self.fit_statistics.copy_(torch.tensor(stats, dtype=torch.float64))

@@ -127,9 +127,11 @@ class Posterior(nn.Module, ABC):
     # ------------------------------------------------------------------ building
 
     @abstractmethod
-    def fit_curvature(self, evaluator, t: torch.Tensor, **kwargs: object) -> None:
+    def fit_curvature(self, evaluator, t: torch.Tensor, **kwargs: object):
         """Compute and keep ``C̃`` at ``w = ŵ + P t`` from ``evaluator`` (its data, model and
-        temperature); ``Σ`` is formed by a following `set_prior`."""
+        temperature); ``Σ`` is formed by a following `set_prior`. Returns ``None``, or the
+        evidence's statistics at ``t`` (`Evaluator.map_statistics`' ``(log p(D | t), sse,
+        count)``) where its pass over the data computed them: the fit then skips its own."""
 
     @abstractmethod
     def scale_curvature_(self, c: float) -> None:

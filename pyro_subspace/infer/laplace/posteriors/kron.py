@@ -36,6 +36,7 @@ import torch
 
 from ....curvature.kfac import KronFactors, conv_patches, kfac
 from ....flat import eval_mode
+from ....nn.evaluator import MapStatistics
 from ....validation import choice
 from .base import Posterior, PriorPrecision, check_positive
 
@@ -141,30 +142,42 @@ class KronPosterior(Posterior):
 
     # ------------------------------------------------------------------ building
 
-    def fit_curvature(self, evaluator, t: torch.Tensor, **kwargs: object) -> None:
+    def fit_curvature(self, evaluator, t: torch.Tensor, **kwargs: object):
         """K-FAC factors at ``w = ŵ + P t`` over the evaluator's data (one pass,
-        `curvature.kfac`), eigendecomposed per block."""
-        factors = self.factors(evaluator, t)
+        `curvature.kfac`), eigendecomposed per block; the evidence's statistics at ``t`` come
+        from the same forward pass (returned when the data have targets)."""
+        data = evaluator.data
+        stats = None
+        if data.loader is not None or data.y is not None:
+            stats = MapStatistics(evaluator.model.likelihood)
+        factors = self.factors(evaluator, t, stats)
         self.temperature.fill_(evaluator.temperature)
         self.num_data.fill_(float(factors.num_data))
         self._set_blocks(self._eigen_blocks(factors, evaluator.model.subspace))
+        return None if stats is None else data.reduce(*stats.totals())
 
-    def factors(self, evaluator, t: torch.Tensor) -> KronFactors:
+    def factors(
+        self, evaluator, t: torch.Tensor, stats: MapStatistics | None = None
+    ) -> KronFactors:
         """`curvature.kfac` of the model's network at ``w = ŵ + P t`` over the modules that own
-        the subspace's coordinates (the network's weights are put back afterwards)."""
+        the subspace's coordinates (the network's weights are put back afterwards); ``stats``
+        (a `MapStatistics`) takes each pass's outputs and targets."""
         model, data = evaluator.model, evaluator.data
         sub, flat = model.subspace, model.flat
         basis = _basis(sub)
         owners = _owning_modules(flat.net, basis)
         w0 = flat.vector().detach().clone()
         x = data.loader if data.loader is not None else data.x
+        y = data.y if data.loader is None and stats is not None else None
+        hook = None if stats is None else lambda out, yc: stats.add(out, yc, prepared=False)
         try:
             flat.load_vector(sub.weights(t).detach().to(w0))
             with eval_mode(flat.net):
                 return kfac(
-                    flat.net, model.likelihood, x, modules=owners, fisher=self.fisher,
+                    flat.net, model.likelihood, x, y, modules=owners, fisher=self.fisher,
                     conv=self.conv, bias=self.bias, chunk_size=data.chunk_size,
                     generator=self.seed, mc_samples=self.mc_samples, dtype=torch.float64,
+                    on_outputs=hook,
                 )  # fmt: skip
         finally:
             flat.load_vector(w0)
