@@ -185,11 +185,14 @@ class KronPosterior(Posterior):
     def _eigen_blocks(self, factors: KronFactors, sub) -> list[dict[str, torch.Tensor]]:
         basis = _basis(sub).to(factors.index.device)
         order = torch.argsort(basis)
-        local = lambda idx: order[torch.searchsorted(basis[order], idx)]  # noqa: E731
+        ordered = basis[order]
         blocks, covered, owners = [], 0, []
         for block in factors.blocks:
             idx = block.index.to(basis.device)
-            inside = torch.isin(idx, basis)
+            # the coordinates of idx in the subspace: one sort of the basis for all blocks
+            # (not torch.isin's per block), a binary search per index
+            at = torch.searchsorted(ordered, idx).clamp_max(ordered.numel() - 1)
+            inside = ordered[at] == idx
             if not bool(inside.any()):
                 continue
             if not bool(inside.all()):
@@ -200,7 +203,7 @@ class KronPosterior(Posterior):
                 )
             covered += idx.numel()
             owners.append((block.module, tuple(block.params)))
-            out = {"pos": local(idx).to(self.prior_diagonal.device)}
+            out = {"pos": order[at].to(self.prior_diagonal.device)}
             if block.kind == "diagonal":
                 out["diag"] = block.diagonal.double().clamp_min(0)
             else:
