@@ -635,39 +635,43 @@ def expand_patch_gram(m: nn.Conv2d, a: torch.Tensor, augment: bool = False) -> t
 
     Patches at kernel rows ``i`` and ``i'`` read the (padded) input rows ``s·r + d·i`` and
     ``s·r + d·i'`` (stride ``s``, dilation ``d``), so each block ``(i, i')`` is a sum over the
-    output rows ``r`` of the products ``M_Δ(y) = Z_y Z_{y+dΔ}ᵀ`` of *row* patches ``Z_y``
-    ``(in·kw, n·W_out)`` (the input row ``y`` unfolded along the width only), ``Δ = i' - i``.
+    output rows ``r`` of the products ``M_Δ(y) = Z_yᵀ Z_{y+dΔ}`` of *row* patches ``Z_y``
+    ``(n·W_out, kw·in)`` (the input row ``y`` unfolded along the width only), ``Δ = i' - i``.
     Only ``kh`` offsets ``Δ ≥ 0`` are multiplied (``M_{-Δ}`` is a transpose), once per padded row
     instead of ``kh²`` times per output row: about ``kh`` times fewer multiply-adds than the
     gram of the full patches for a stride-1 convolution (and no ``kh·kw``-fold copy of the
     input, only a ``kw``-fold one)."""
     (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
-    xp = _padded(m, a)
-    n, c, hp, _ = xp.shape
-    v = xp.unfold(3, dw * (kw - 1) + 1, sw)[..., ::dw]  # shape: (n, c, hp, W_out, kw)
+    rows = _padded(m, a).permute(2, 0, 3, 1).contiguous()  # (hp, n, wp, c): channels last
+    hp, n, wp, c = rows.shape
     h_out = (hp - dh * (kh - 1) - 1) // sh + 1
-    z = v.permute(2, 1, 4, 0, 3).reshape(hp, c * kw, -1)  # row patches (hp, c·kw, n·W_out)
+    w_out = (wp - dw * (kw - 1) - 1) // sw + 1
+    st = rows.stride()
+    taps = rows.as_strided((hp, n, w_out, kw, c), (st[0], st[1], sw * st[2], dw * st[2], 1))
+    # row patches (hp, n·W_out, kw·c): the products below are Zᵀ Z' with the summed dimension
+    # leading (BLAS runs them about twice as fast as Z Z'ᵀ), copied from runs of c numbers
+    z = taps.reshape(hp, n * w_out, kw * c)
     q = c * kw
     blocks = z.new_empty(kh, kh, q, q)
     last = sh * (h_out - 1) + 1  # rows s·r, r < h_out, from a block's first row
     for delta in range(kh):
-        prod = torch.matmul(z[: hp - dh * delta], z[dh * delta :].transpose(1, 2))
+        prod = torch.matmul(z[: hp - dh * delta].transpose(1, 2), z[dh * delta :])
         for i in range(kh - delta):
             block = prod[dh * i : dh * i + last : sh].sum(0)
             blocks[i, i + delta] = block
             if delta:
                 blocks[i + delta, i] = block.T
-    # (i, i', c·kw, c'·kw) -> (c, i, j, c', i', j'): the order of weight.reshape(out, -1)
+    # (i, i', j·c, j'·c') -> (c, i, j, c', i', j'): the order of weight.reshape(out, -1)
     p = c * kh * kw
-    gram = blocks.reshape(kh, kh, c, kw, c, kw).permute(2, 0, 3, 4, 1, 5).reshape(p, p)
+    gram = blocks.reshape(kh, kh, kw, c, kw, c).permute(3, 0, 2, 5, 1, 4).reshape(p, p)
     if not augment:
         return gram.double()
-    sums = z.sum(2)  # (hp, c·kw)
+    sums = z.sum(1)  # (hp, kw·c)
     col = torch.stack([sums[dh * i : dh * i + last : sh].sum(0) for i in range(kh)])
-    col = col.reshape(kh, c, kw).permute(1, 0, 2).reshape(p)
+    col = col.reshape(kh, kw, c).permute(2, 0, 1).reshape(p)
     out = gram.new_empty(p + 1, p + 1)
     out[:p, :p], out[:p, p], out[p, :p] = gram, col, col
-    out[p, p] = h_out * z.shape[2]  # the number of patches
+    out[p, p] = h_out * z.shape[1]  # the number of patches
     return out.double()
 
 
