@@ -135,6 +135,17 @@ def test_calling_la_predicts_and_the_pyro_guide_is_la_guide():
         Predictive(la.model, guide=la, num_samples=3)(x)
 
 
+@pytest.mark.parametrize("structure", ["full", "kron"])
+def test_the_probit_predictive_in_chunks_equals_one_pass(structure):
+    """``la(x)`` (probit) runs chunk by chunk of ``chunk_size`` rows (memory of one chunk's
+    moments): the same probabilities as one pass's moments (brute force: the guide's
+    `predict`, which forms them for all rows), a last chunk shorter than the others."""
+    net, x, y = classifier()
+    la = Laplace(net, likelihoods.Categorical(), "all", structure, LAM, chunk_size=7).fit(x, y)
+    want = la.predict(x, link_approx="probit").probs
+    torch.testing.assert_close(la(x), want, rtol=1e-15, atol=0)
+
+
 def test_predict_and_tuning_take_laplace_torch_names():
     net, x, y = classifier()
     la = Laplace(net, likelihoods.Categorical(), "last_layer", prior_precision=LAM, hessian_structure="full").fit(x, y)

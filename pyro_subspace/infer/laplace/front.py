@@ -302,10 +302,20 @@ class NetLaplace(nn.Module):
             out = lik.sample_prediction(self._nn_samples(x, n_samples, generator))
         else:
             glm_link = link_approx if link_approx in lik.link_approxes else "auto"
-            if glm_link == "probit":  # the variances alone: (N, C), never (N, C, C)
-                f_mu, f_var = linearized_variances(self.guide, x)
-            else:
-                f_mu, f_var = linearized_moments(self.guide, x)
+            dtype = self.model.subspace.shift.dtype
+            if glm_link == "probit" and isinstance(x, torch.Tensor) and x.shape[0] > 0:
+                # the variances alone ((N, C), never (N, C, C)), chunk by chunk: beside the
+                # result, memory of one chunk's float64 moments (a 1000-class last layer on
+                # 10,000 inputs: not five (N, C) float64 temporaries at once)
+                parts = [
+                    _to_net_dtype(
+                        lik.glm_prediction(*linearized_variances(self.guide, xc), "probit"),
+                        dtype,
+                    )
+                    for xc in x.split(self.guide.chunk_size)
+                ]
+                return _cat_rows(parts)
+            f_mu, f_var = linearized_moments(self.guide, x)
             out = lik.glm_prediction(
                 f_mu, f_var, link_approx, n_samples, generator, diagonal_output
             )
@@ -728,6 +738,13 @@ class ParameterGroups:
     def sizes_index(self) -> torch.Tensor:
         """``(K,)``: the group of each coordinate."""
         return self._index
+
+
+def _cat_rows(parts: list):
+    """Predictions of consecutive chunks of rows as one: tensors, or tuples of tensors."""
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(cols) for cols in zip(*parts))
+    return torch.cat(parts)
 
 
 def _to_net_dtype(out, dtype: torch.dtype):
