@@ -23,6 +23,7 @@ from pyro_subspace import FlatNet, likelihoods
 from pyro_subspace.curvature import kfac, subspace_jacobians
 from pyro_subspace.infer import Laplace
 from pyro_subspace.infer.laplace.posteriors import Posterior
+from pyro_subspace.infer.laplace.posteriors import kron as kron_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -250,9 +251,14 @@ def test_layer_by_layer_predictive_equals_the_jacobian_route(bias, device):
 
 
 @pytest.mark.parametrize("conv", ["expand", "backpack"])
-def test_layer_by_layer_predictive_of_a_cnn_equals_the_jacobian_route(conv):
+@pytest.mark.parametrize("small_passes", [False, True])
+def test_layer_by_layer_predictive_of_a_cnn_equals_the_jacobian_route(conv, small_passes, monkeypatch):
     """A CNN (strided, padded Conv2d layers, in-place ReLU, a Linear head): the Conv2d blocks'
-    ``J Σ Jᵀ`` from patches and output Jacobians equals the route through Jacobian blocks."""
+    ``J Σ Jᵀ`` from patches and output Jacobians equals the route through Jacobian blocks;
+    also when the memory bounds make each pass and each Conv2d block one row."""
+    if small_passes:
+        monkeypatch.setattr(kron_module, "PASS_NUMBERS", 1000)  # 3 x 213 numbers a row
+        monkeypatch.setattr(kron_module, "CONV_BLOCK_NUMBERS", 1)
     torch.manual_seed(3)
     net = nn.Sequential(
         nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(3, 2, 3, stride=2),

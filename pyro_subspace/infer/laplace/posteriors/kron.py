@@ -472,6 +472,7 @@ class KronPosterior(Posterior):
         try:
             flat.load_vector(w.detach().to(w0))
             with eval_mode(net):
+                chunk_size = _rows_per_pass(net, layers, x, chunk_size)
                 for start in range(0, x.shape[0], chunk_size):
                     out = _layer_outputs(net, layers, x[start : start + chunk_size], self, eig, diagonal)
                     if out is None:  # a layer saw inputs of another shape: the general route
@@ -587,6 +588,31 @@ def _layer_outputs(net, layers, x, post: KronPosterior, eig, diagonal: bool):
     return f.detach().double(), cov
 
 
+#: the most numbers of one pass's output Jacobians ``∂f/∂z`` ``(O, rows, *z)`` over the layers
+#: (16 MiB in float64): `linearized_outputs` takes fewer rows per pass where they are large
+PASS_NUMBERS = 2**21
+
+
+def _rows_per_pass(net, layers, x: torch.Tensor, chunk: int) -> int:
+    """``chunk``, or fewer rows so that the ``O`` output Jacobians at the layers' outputs hold
+    at most `PASS_NUMBERS` numbers (their sizes from a forward pass of one row)."""
+    if x.shape[0] == 0:
+        return chunk
+    sizes = []
+    handles = [
+        m.register_forward_hook(lambda mod, inp, out: sizes.append(out.numel()))
+        for m, _ in layers.values()
+    ]
+    try:
+        with torch.no_grad():
+            f = net(x[:1])
+    finally:
+        for h in handles:
+            h.remove()
+    per_row = max(1, f[0].numel() * sum(sizes))
+    return max(1, min(chunk, PASS_NUMBERS // per_row))
+
+
 #: the most numbers of a Conv2d's rotated Jacobian block ``(rows, O, out, in·kh·kw)`` at once (8 MiB in float64)
 CONV_BLOCK_NUMBERS = 2**20
 
@@ -614,7 +640,8 @@ def _conv_layer(module, grad, inp, roles, blocks, eig, cov, diagonal: bool) -> N
         a = patches
         if role == "augmented":
             a = torch.cat([a, a.new_ones(n, 1, a.shape[-1])], 1)
-        width = max(1, CONV_BLOCK_NUMBERS // max(1, o * inv.numel()))
+        # rows per block: the rotated Jacobian (rows, O, out, in') and B Q_G (rows, O, out, R)
+        width = max(1, CONV_BLOCK_NUMBERS // max(1, o * max(inv.numel(), out * b.shape[-1])))
         qg, qa, inv_dt = block["gvecs"].to(dt), block["avecs"].to(dt), inv.to(dt)
         for s in range(0, n, width):
             bq = torch.einsum("nokr,ka->noar", b[s : s + width], qg)
