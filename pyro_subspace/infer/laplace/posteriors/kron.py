@@ -153,7 +153,9 @@ class KronPosterior(Posterior):
         factors = self.factors(evaluator, t, stats)
         self.temperature.fill_(evaluator.temperature)
         self.num_data.fill_(float(factors.num_data))
-        self._set_blocks(self._eigen_blocks(factors, evaluator.model.subspace))
+        blocks = factors.blocks
+        del factors  # the blocks are released one by one as they are eigendecomposed
+        self._set_blocks(self._eigen_blocks(blocks, evaluator.model.subspace))
         return None if stats is None else data.reduce(*stats.totals())
 
     def factors(
@@ -182,20 +184,26 @@ class KronPosterior(Posterior):
         finally:
             flat.load_vector(w0)
 
-    def _eigen_blocks(self, factors: KronFactors, sub) -> list[dict[str, torch.Tensor]]:
-        basis = _basis(sub).to(factors.index.device)
-        order = torch.argsort(basis)
-        ordered = basis[order]
+    def _eigen_blocks(self, factors: list, sub) -> list[dict[str, torch.Tensor]]:
+        """Each `KronBlock` of ``factors`` (a list, emptied as it goes: a block's factors are
+        freed once decomposed) as its buffers: positions in the subspace, eigenpairs."""
+        basis = _basis(sub).to(factors[0].index.device if factors else "cpu")
+        # the coordinates of a block's indices in the subspace: one sort of the basis for all
+        # blocks (none when it is sorted, as the subspaces of whole layers are), a binary search
+        # per index (not torch.isin, which sorts per block)
+        order = None if bool((basis[1:] > basis[:-1]).all()) else torch.argsort(basis)
+        ordered = basis if order is None else basis[order]
         blocks, covered, owners = [], 0, []
-        for block in factors.blocks:
+        while factors:
+            block = factors.pop(0)
             idx = block.index.to(basis.device)
-            # the coordinates of idx in the subspace: one sort of the basis for all blocks
-            # (not torch.isin's per block), a binary search per index
-            at = torch.searchsorted(ordered, idx).clamp_max(ordered.numel() - 1)
-            inside = ordered[at] == idx
-            if not bool(inside.any()):
+            at = torch.searchsorted(ordered, idx).clamp_max_(ordered.numel() - 1)
+            hit = ordered[at] == idx
+            inside, touched = bool(hit.all()), bool(hit.any())
+            del hit
+            if not touched:
                 continue
-            if not bool(inside.all()):
+            if not inside:
                 raise ValueError(
                     "hessian_structure: 'kron' needs a subspace made of whole parameter tensors "
                     f"(it holds part of {block.module}'s {', '.join(block.params)}); use "
@@ -203,7 +211,8 @@ class KronPosterior(Posterior):
                 )
             covered += idx.numel()
             owners.append((block.module, tuple(block.params)))
-            out = {"pos": order[at].to(self.prior_diagonal.device)}
+            out = {"pos": (at if order is None else order[at]).to(self.prior_diagonal.device)}
+            del idx, at
             if block.kind == "diagonal":
                 out["diag"] = block.diagonal.double().clamp_min(0)
             else:
@@ -684,7 +693,7 @@ def _diagonal_blocks(module, grad, inp, roles, blocks, eig, cov, diagonal: bool)
 
 
 def _eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    values, vectors = torch.linalg.eigh((m + m.T) / 2)
+    values, vectors = torch.linalg.eigh((m + m.T).mul_(0.5))  # one temporary, not two
     return values.clamp_min(0), vectors
 
 
