@@ -470,6 +470,28 @@ def _hooked(modules: list[nn.Module]) -> bool:
     return any(getattr(m, h) for m in modules for h in _HOOKS)
 
 
+@torch.no_grad()
+def flush_subnormal_(*tensors: torch.Tensor) -> int:
+    """Set the subnormal entries (``0 < |x| < torch.finfo(dtype).tiny``) of floating-point
+    ``tensors`` to zero, in place; returns how many there were.
+
+    Weight decay drives the weights of dead ReLU units towards zero geometrically, so after a few
+    thousand steps they become subnormal floats; a CPU computes with subnormals many times more
+    slowly (a toy 2-200-50-50-50-1 network trained 2000 epochs with weight decay 1e-4 had 16% of
+    its weights subnormal, and every later forward pass ran about 5 times slower). Their values
+    are below 1.2e-38 (float32), so setting them to zero changes no output beyond rounding."""
+    count = 0
+    for t in tensors:
+        if t is None or not t.is_floating_point():
+            continue
+        tiny = (t != 0) & (t.abs() < torch.finfo(t.dtype).tiny)
+        n = int(tiny.sum())
+        if n:
+            t.masked_fill_(tiny, 0)
+            count += n
+    return count
+
+
 def num_weights(net: nn.Module) -> int:
     """Length ``D`` of the flat weight vector of ``net``."""
     return sum(math.prod(p.shape) for p in net.parameters())

@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from pyro_subspace import fit_map, likelihoods, subspaces
+from pyro_subspace.flat import flush_subnormal_
 
 
 def ridge_problem(n=60, d=4, seed=0):
@@ -154,3 +155,34 @@ def test_batchnorm_skips_a_last_minibatch_of_one_row_and_names_a_loader_that_end
     loader = DataLoader(TensorDataset(x, y), batch_size=13)
     with pytest.raises(ValueError, match="x: the DataLoader's last batch has one row"):
         fit_map(net, likelihoods.Gaussian(0.5), loader, epochs=1, progress=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_subnormal_weights_are_flushed_after_each_epoch_and_in_the_swa_statistics(dtype):
+    """A dead unit's outgoing weight (no data gradient, so Adam leaves it where it is) that weight
+    decay had made subnormal is set to 0 by `fit_map` (a CPU runs several times slower on
+    subnormals); the SWA collector's statistics never hold one; flushing changes no output
+    beyond the subnormals' own size."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1)).to(dtype)
+    tiny = torch.finfo(dtype).tiny
+    with torch.no_grad():
+        net[0].weight[0] = -1.0  # unit 0 is dead on inputs in [0, 1]
+        net[0].bias[0] = -1.0
+        net[2].weight[0, 0] = tiny / 8
+        net[0].weight[1, 0] = tiny / 4
+    x = torch.rand(16, 2, dtype=dtype)
+    y = torch.randn(16, dtype=dtype)
+    sub = lambda t: int(((t != 0) & (t.abs() < tiny)).sum())  # noqa: E731
+    with torch.no_grad():
+        before = net(x)
+        flushed = [p.clone() for p in net.parameters()]
+    assert flush_subnormal_(*flushed) == 2 and sum(sub(p) for p in flushed) == 0
+    col = subspaces.SWACollector(net, max_snapshots=3)
+    col.collect()  # a net with subnormal weights: its statistics hold none
+    assert sub(col.mean) == 0 and sub(col.running_sq_mean) == 0
+    torch.testing.assert_close(col.mean, torch.cat([p.reshape(-1) for p in flushed]), rtol=0, atol=0)
+    fit_map(net, likelihoods.Gaussian(sigma=1.0), x, y, epochs=1, lr=1e-12, progress=False)
+    assert float(net[2].weight[0, 0]) == 0.0 and sum(sub(p) for p in net.parameters()) == 0
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), before, rtol=1e-6, atol=0)

@@ -19,7 +19,7 @@ from sklearn.utils.extmath import randomized_svd
 from torch import nn
 
 from ..validation import check_int
-from ..flat import FlatNet
+from ..flat import FlatNet, flush_subnormal_
 from .base import Subspace
 from .frequent_directions import FrequentDirections
 
@@ -101,6 +101,7 @@ class SWACollector(nn.Module):
         w = self.flat.vector()
         if not torch.isfinite(w).all():
             raise ValueError("collect: the network's weights contain NaN or inf; training diverged")
+        flush_subnormal_(w)  # a copy: the statistics stay free of slow subnormal floats
         n = self.n_collected
         if n == 0:
             self.running_mean.copy_(w)
@@ -108,6 +109,7 @@ class SWACollector(nn.Module):
         else:
             self.running_mean.mul_(n / (n + 1)).add_(w, alpha=1 / (n + 1))
             self.running_sq_mean.mul_(n / (n + 1)).add_(w.square(), alpha=1 / (n + 1))
+        flush_subnormal_(self.running_mean, self.running_sq_mean)
         self.num_collected += 1
         if self.sketch is not None:
             self.sketch.append(w - self.running_mean)
