@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from . import distributed
 from .exceptions import TrainingDivergedError
+from .flat import flush_subnormal_
 
 EPOCH_LOSSES = ("points", "batches")
 
@@ -134,6 +135,7 @@ def minibatch_loop(
                     count += 1
             _check_trained(count, epoch, desc)
             history.append(total / count)
+            flush_optimizer_subnormals(optimizer)
             if on_epoch is not None:
                 on_epoch(epoch, history[-1])
             bar.update()
@@ -219,6 +221,20 @@ def take_steps(
         yield value, rows
 
 
+def flush_optimizer_subnormals(optimizer: torch.optim.Optimizer | None) -> None:
+    """After an epoch: the subnormal entries of the optimiser's parameters and of its state
+    (Adam's moments) set to zero (`flat.flush_subnormal_`). Weight decay drives a dead unit's
+    weights and moments towards zero geometrically until they are subnormal, and a CPU computes
+    with subnormals several times more slowly, in this loop and in every later use of the
+    network; their values (below ``finfo.tiny``) change nothing else."""
+    if optimizer is None:
+        return
+    tensors = [p for g in optimizer.param_groups for p in g["params"]]
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    flush_subnormal_(*tensors)
+
+
 def _check_trained(count: int, epoch: int, desc: str, argument: str = "batch_size") -> None:
     """Once per epoch: an epoch that took no step trained nothing, an error rather than a
     loss of 0.0 reported as success."""
@@ -259,5 +275,6 @@ def loader_loop(
             total, count = total + value * rows, count + rows
         _check_trained(count, epoch, desc, argument="x")
         history.append(total / count)
+        flush_optimizer_subnormals(optimizer)
         on_epoch(epoch, history[-1])
     return history

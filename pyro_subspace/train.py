@@ -10,7 +10,7 @@ from . import validation as ck
 from . import distributed
 from .data import check_batchnorm_loader
 from .exceptions import TrainingDivergedError
-from .flat import Preserved, eval_mode, flush_subnormal_, preserved, train_mode
+from .flat import Preserved, eval_mode, preserved, train_mode
 from .likelihoods import Likelihood
 from .minibatch import loader_loop, minibatch_loop, shuffle_generator
 from .subspaces import SWACollector
@@ -154,8 +154,6 @@ def fit_map(
             raise TrainingDivergedError(
                 f"fit_map: the weights became non-finite at epoch {epoch + 1}", epoch + 1
             )
-        # weight decay makes dead units' weights subnormal, which slows every later pass
-        flush_subnormal_(*net.parameters())
         last_good["epoch"] = offset + epoch + 1
         last_good["state"] = Preserved((net, likelihood), False, True, True)
         if in_swa:

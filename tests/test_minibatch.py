@@ -72,3 +72,24 @@ def test_seedless_order_follows_the_global_generator_and_divergence_raises():
         minibatch_loop(lambda idx: float("nan"), 4, epochs=1, desc="demo")
     with pytest.raises(ValueError, match="epoch_loss"):
         minibatch_loop(lambda idx: 0.0, 4, epochs=1, epoch_loss="sum")
+
+
+def test_the_optimiser_state_and_parameters_lose_their_subnormals_after_an_epoch():
+    """`flush_optimizer_subnormals` (run by the loop after each epoch): Adam's moments and the
+    parameters keep their normal entries exactly and have no subnormal one left."""
+    from pyro_subspace.minibatch import flush_optimizer_subnormals
+
+    tiny = torch.finfo(torch.float32).tiny
+    p = torch.nn.Parameter(torch.tensor([1.0, tiny / 2, -3.0]))
+    opt = torch.optim.Adam([p], lr=1e-3)
+    p.grad = torch.tensor([1.0, 0.0, tiny / 4])
+    opt.step()
+    state = opt.state[p]
+    state["exp_avg_sq"][0] = tiny / 16
+    before = {k: v.clone() for k, v in state.items()}
+    flush_optimizer_subnormals(opt)
+    for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"]):
+        assert int(((t != 0) & (t.abs() < tiny)).sum()) == 0
+    normal = before["exp_avg"].abs() >= tiny
+    assert torch.equal(state["exp_avg"][normal], before["exp_avg"][normal])
+    assert float(p[1]) == 0.0 and float(p[0]) != 0.0 and torch.equal(state["step"], before["step"])

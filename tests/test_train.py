@@ -160,9 +160,10 @@ def test_batchnorm_skips_a_last_minibatch_of_one_row_and_names_a_loader_that_end
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_subnormal_weights_are_flushed_after_each_epoch_and_in_the_swa_statistics(dtype):
     """A dead unit's outgoing weight (no data gradient, so Adam leaves it where it is) that weight
-    decay had made subnormal is set to 0 by `fit_map` (a CPU runs several times slower on
-    subnormals); the SWA collector's statistics never hold one; flushing changes no output
-    beyond the subnormals' own size."""
+    decay had made subnormal is set to 0 after an epoch of `fit_map` (the minibatch loop under
+    `fit_map`, `fit_curve` and `PatchedNet.fit` flushes its optimiser's tensors: a CPU runs
+    several times slower on subnormals); the SWA collector's statistics never hold one; flushing
+    changes no output beyond the subnormals' own size."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1)).to(dtype)
     tiny = torch.finfo(dtype).tiny
