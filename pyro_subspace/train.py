@@ -111,6 +111,12 @@ def fit_map(
             "batch_size: minibatches of 1 are all skipped with BatchNorm in training mode "
             "(it needs two points), so nothing would be trained: use batch_size >= 2"
         )
+    trainable = [p for p in list(net.parameters()) + list(likelihood.parameters()) if p.requires_grad]
+    if not trainable and epochs + swa_epochs:
+        raise ValueError(
+            "net: no parameter of the network (or the likelihood) requires grad, so there is "
+            "nothing to train: unfreeze the ones to fit (e.g. net.requires_grad_(True))"
+        )
     # tensors: width, dtype, finiteness and targets against the net; a Dataset: its first item
     n = ck.check_data(net, x, y, likelihood, require_y=not streamed)
     if swa_epochs > 0:

@@ -109,6 +109,19 @@ def test_fit_map_rejects_bad_data_and_divergence():
         )
 
 
+def test_a_frozen_network_is_refused_before_any_work_unless_the_likelihood_learns():
+    """Nothing requires grad: a ValueError naming ``net`` (not autograd's RuntimeError from
+    ``backward``); a learned noise scale alone is something to train."""
+    x, y = ridge_problem()
+    net = nn.Linear(4, 1).requires_grad_(False)
+    w = net.weight.detach().clone()
+    with pytest.raises(ValueError, match="net: no parameter .* requires grad"):
+        fit_map(net, likelihoods.Gaussian(0.1), x, y, epochs=2, progress=False)
+    lik = likelihoods.Gaussian()  # sigma learned
+    fit_map(net, lik, x, y, epochs=2, progress=False)
+    assert torch.equal(net.weight, w)
+
+
 def test_each_phase_uses_its_own_learning_rate():
     # Regression: optimisers write their defaults into shared param groups, so the SWA phase
     # once silently ran at the MAP phase's learning rate.
