@@ -32,6 +32,18 @@ def test_dense_and_index_weights_match_dense_linear_algebra(device):
     assert torch.allclose(dense.transpose_apply(v), v @ basis)
 
 
+def test_subnormal_entries_of_the_shift_and_basis_are_zeroed_and_no_other_entry_moves():
+    """A basis from an SVD of snapshots where some weights never moved holds subnormal floats
+    (slow arithmetic on a CPU): the subspace keeps them as 0, every normal entry as given."""
+    tiny = torch.finfo(torch.float32).tiny
+    shift = torch.tensor([1.0, tiny / 3, -2.0])
+    basis = torch.tensor([[0.6, 0.0], [tiny / 5, 1.0], [0.8, -tiny / 7]])
+    sub = Subspace(shift, basis)
+    assert torch.equal(sub.shift, torch.tensor([1.0, 0.0, -2.0]))
+    assert torch.equal(sub.basis, torch.tensor([[0.6, 0.0], [0.0, 1.0], [0.8, 0.0]]))
+    assert float(shift[1]) > 0  # the caller's tensors are copied, not changed
+
+
 def test_projection_recovers_coordinates_and_is_orthogonal():
     d, k = 30, 3
     sub = Subspace(torch.randn(d, dtype=torch.float64), torch.randn(d, k, dtype=torch.float64))
