@@ -605,7 +605,7 @@ def conv_patches(m: nn.Conv2d, a: torch.Tensor) -> torch.Tensor:
 
 def _gram(rows: torch.Tensor) -> torch.Tensor:
     """``rowsᵀ rows`` in float64 (float32 products are formed in float32, then widened)."""
-    return _gram32(rows).double()
+    return _rows_gram(rows).double()
 
 
 def _padded(m: nn.Conv2d, a: torch.Tensor) -> torch.Tensor:
@@ -722,16 +722,17 @@ def _grad_gram(lay: _Layer, g: torch.Tensor, conv: str) -> torch.Tensor:
     if lay.conv:
         g = g.flatten(2)  # shape: (n, out, R)
         if conv != "expand":
-            return _gram32(g.sum(2))
+            return _rows_gram(g.sum(2))
         if g.shape[2] >= g.shape[1]:
             return torch.matmul(g, g.transpose(1, 2)).sum(0)
-        return _gram32(g.transpose(1, 2).reshape(-1, g.shape[1]))
+        return _rows_gram(g.transpose(1, 2).reshape(-1, g.shape[1]))
     if g.dim() > 2 and conv != "expand":
-        return _gram32(g.sum(tuple(range(1, g.dim() - 1))))
-    return _gram32(g.reshape(-1, g.shape[-1]))
+        return _rows_gram(g.sum(tuple(range(1, g.dim() - 1))))
+    return _rows_gram(g.reshape(-1, g.shape[-1]))
 
 
-def _gram32(rows: torch.Tensor) -> torch.Tensor:
+def _rows_gram(rows: torch.Tensor) -> torch.Tensor:
+    """``rowsᵀ rows`` in the rows' dtype (`_gram` widens it to float64)."""
     return rows.T @ rows
 
 

@@ -297,12 +297,11 @@ class NetLaplace(nn.Module):
                 "Pyro guide is la.guide, e.g. Predictive(la.model, guide=la.guide)"
             )
         _check_prediction_keywords(pred_type, joint, n_samples, diagonal_output, generator, fitting)
-        lik = self.model.likelihood
+        lik, dtype = self.model.likelihood, self.model.subspace.shift.dtype
         if pred_type == "nn":  # shape: (S, N, O)
             out = lik.sample_prediction(self._nn_samples(x, n_samples, generator))
         else:
             glm_link = link_approx if link_approx in lik.link_approxes else "auto"
-            dtype = self.model.subspace.shift.dtype
             if glm_link == "probit" and isinstance(x, torch.Tensor) and x.shape[0] > 0:
                 # the variances alone ((N, C), never (N, C, C)), chunk by chunk: beside the
                 # result, memory of one chunk's float64 moments (a 1000-class last layer on
@@ -319,7 +318,7 @@ class NetLaplace(nn.Module):
             out = lik.glm_prediction(
                 f_mu, f_var, link_approx, n_samples, generator, diagonal_output
             )
-        return _to_net_dtype(out, self.model.subspace.shift.dtype)
+        return _to_net_dtype(out, dtype)
 
     def predictive_samples(
         self,
