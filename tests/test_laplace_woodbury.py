@@ -59,25 +59,47 @@ def test_woodbury_posterior_equals_the_dense_inverse(lik, n, diagonal_prior, tem
     lam = torch.linspace(0.5, 3.0, K, dtype=torch.float64) if diagonal_prior else 2.0
     la, x, y = make_guide(lik, n, lam, temperature)
     la.fit(x, y, find_map=False)
-    assert la.posterior.pending == {"ggn", "precision_matrix", "scale_tril"}  # Woodbury's route
-    want = dense_covariance(la, lam)
-    assert rel(la.covariance, want) < 1e-11
-    assert torch.equal(la.covariance, la.covariance.T)
+    pending = {"ggn", "precision_matrix", "covariance_matrix", "scale_tril"}
+    assert la.posterior.pending == pending  # Woodbury's route: only B (r, K) is formed
     eager = Evaluator(la.model, DataSource(x, y, 64)).ggn(la.loc)  # Σ AᵀA without the rows
-    assert rel(la.ggn, eager) < 1e-14  # formed on first use from the kept rows
     prior = torch.diag(torch.as_tensor(lam).expand(K))
-    assert rel(la.precision, la.ggn / la.temperature + prior) < 1e-14
-    # the linearised predictive uses Σ itself while the factor is not formed
+    want = torch.linalg.inv(eager.double() / la.temperature + prior)
+    # the marginal variances and the linearised predictive read B, not a formed Σ
+    assert rel(la.posterior.marginal_variance(), want.diagonal()) < 1e-11
     _, f_cov = linearized_moments(la, x[:6])
-    assert "scale_tril" in la.posterior.pending  # the moments formed no factor
+    assert la.posterior.pending == pending
     w = la.model.subspace.weights(la.loc).detach()
     blocks = la.model.subspace.jacobian_blocks(FlatNet(la.model.flat.net), x[:6], w, 64)
     jac = torch.cat([j for _, j in blocks])  # shape: (6, O, K)
     want_f = torch.einsum("nok,kl,npl->nop", jac.double(), want, jac.double())
     assert rel(f_cov, want_f) < 1e-10
+    assert torch.equal(f_cov, f_cov.mT)
+    # Σ on first read
+    assert rel(la.covariance, want) < 1e-11
+    assert torch.equal(la.covariance, la.covariance.T)
+    assert "covariance_matrix" not in la.posterior.pending
+    assert rel(la.ggn, eager) < 1e-14  # formed on first use from the kept rows
+    assert rel(la.precision, la.ggn / la.temperature + prior) < 1e-14
+    # the linearised predictive uses Σ itself while the factor is not formed
+    _, f_cov = linearized_moments(la, x[:6])
+    assert "scale_tril" in la.posterior.pending  # the moments formed no factor
+    assert rel(f_cov, want_f) < 1e-10
     # the factor on first use: the Cholesky factor of Σ
     assert rel(la.scale_tril, torch.linalg.cholesky(want)) < 1e-10
     assert "scale_tril" not in la.posterior.pending
+
+
+def test_a_cast_posterior_keeps_its_woodbury_form(device):
+    """``B`` of the pending Woodbury form moves and casts with the buffers (``.to``)."""
+    la, x, y = make_guide(likelihoods.Gaussian(0.3), 25, 2.0)
+    la.fit(x, y, find_map=False)
+    want = dense_covariance(la, 2.0).to(device)
+    post = la.posterior
+    assert "covariance_matrix" in post.pending
+    post.to(device=device, dtype=torch.float32)
+    assert post.__dict__["_woodbury"].a.dtype == torch.float32
+    assert post.covariance().dtype == torch.float32 and post.covariance().device == want.device
+    assert rel(post.covariance().cpu(), want.cpu()) < 1e-5
 
 
 def test_more_rows_than_the_limit_take_the_dense_route():
@@ -124,9 +146,15 @@ def test_float32_woodbury_against_float64():
     rounding times the (modest) condition number allows."""
     la32, x, y = make_guide(likelihoods.Gaussian(0.3), 25, 2.0, dtype=torch.float32)
     la32.fit(x, y, find_map=False)
-    assert "scale_tril" in la32.posterior.pending and la32.covariance.dtype == torch.float32
     la64, x64, y64 = make_guide(likelihoods.Gaussian(0.3), 25, 2.0)
     la64.fit(x64, y64, find_map=False)
+    # the moments from B (Σ not formed): (JD)(JD)ᵀ − (JDBᵀ)(JDBᵀ)ᵀ loses what I − BᵀB does
+    _, f32 = linearized_moments(la32, x[:8])
+    _, f64 = linearized_moments(la64, x64[:8])
+    assert "covariance_matrix" in la32.posterior.pending
+    assert la32.posterior.__dict__["_woodbury"].a.dtype == torch.float32  # factors in float32
+    assert float(((f32.double() - f64) / f64).abs().max()) < 1e-5
+    assert "scale_tril" in la32.posterior.pending and la32.covariance.dtype == torch.float32
     assert rel(la32.covariance, la64.covariance) < 1e-5
     assert rel(la32.scale_tril, la64.scale_tril) < 1e-5
 

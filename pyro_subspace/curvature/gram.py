@@ -28,7 +28,7 @@ class RootRows:
     """Collects the rows of the GGN's root ``A`` (``Σ_n A_nᵀ A_n = PᵀGP``) while there are at
     most ``limit`` of them: a Laplace posterior over ``K`` weights from fewer than ``K`` rows is
     cheaper by Woodbury's identity than from the ``(K, K)`` precision
-    (`FullPosterior._posterior_from_root_`), and needs no ``(K, K)`` GGN. `tap` holds the blocks
+    (`FullPosterior._woodbury_`), and needs no ``(K, K)`` GGN. `tap` holds the blocks
     back from `gram_from_blocks` while they fit under ``limit`` (so the GGN is only formed when
     asked for, from ``parts``); past ``limit`` it hands over those held and every later block,
     and keeps nothing (``matrix()`` is ``None``)."""

@@ -7,12 +7,13 @@ Buffers ``ggn`` (``PᵀGP``, untempered), ``precision_matrix``, ``covariance_mat
 sums; a precision that does not factorise in float32 is factorised in float64).
 
 **Buffers left to first use.** With fewer GGN rows ``r = N·C`` than weights ``K``, the
-covariance comes from the rows themselves by Woodbury's identity (`_posterior_from_root_`); the
-``(K, K)`` GGN ``AᵀA``, the precision ``AᵀA/T + Λ₀`` and the factor ``L = chol(Σ)`` are then
-not needed for the linearised predictive, and each costs ``K²r/2`` to ``K³/3`` multiplications.
-`fit_curvature` leaves them pending: reading ``ggn``, ``precision_matrix`` or ``scale_tril`` (a
-draw, the evidence, a ``state_dict``) forms it then, from the kept rows, exactly as the fit
-would have.
+covariance comes from the rows themselves by Woodbury's identity, ``Σ = D (I − BᵀB) D`` with
+``B`` ``(r, K)`` (`_woodbury_`); the ``(K, K)`` GGN ``AᵀA``, the precision ``AᵀA/T + Λ₀``, ``Σ``
+and the factor ``L = chol(Σ)`` are then not needed for the linearised predictive and the
+marginal variances (they read ``B``), and each costs ``K²r/2`` to ``K³/3`` multiplications.
+`fit_curvature` and `set_prior` leave them pending: reading ``ggn``, ``precision_matrix``,
+``covariance_matrix`` or ``scale_tril`` (a draw, the evidence, a ``state_dict``) forms it then,
+exactly as the fit would have.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ....linalg import (
 from .base import Posterior, PriorPrecision
 
 #: The buffers a fit from rows may leave to first use.
-DEFERRABLE = ("ggn", "precision_matrix", "scale_tril")
+DEFERRABLE = ("ggn", "precision_matrix", "covariance_matrix", "scale_tril")
 #: Every buffer of the posterior, ``(K, K)`` each.
 BUFFERS = ("ggn", "precision_matrix", "covariance_matrix", "scale_tril")
 #: the most bytes the four ``(K, K)`` buffers may take (16 GiB: ``K ≤ 32768`` in float32,
@@ -62,6 +63,64 @@ class Deferred:
         return obj._buffers[self.name]
 
 
+class Woodbury:
+    """``Σ = D (I − BᵀB) D`` kept unformed: ``B = L⁻¹ Ã`` ``(r, K)`` with ``Ã = A D`` (the
+    GGN's root scaled by ``D = Λ₀^{-1/2}``) and ``L = chol(T I + Ã Ãᵀ)`` ``(r, r)``; a scalar
+    prior ``λ I`` keeps ``Ã = A``, ``L = chol(λT I + AAᵀ)`` and ``D = λ^{-1/2}``. ``B`` itself
+    (``r²K`` multiplications) is solved on first use: the moments need only ``L`` and ``Ã``.
+
+    Args:
+        a: ``Ã`` ``(r, K)``.
+        chol: ``L`` ``(r, r)``, of ``a``'s dtype.
+        scale: ``1/λ`` (0-d) or ``d`` ``(K,)``, of ``a``'s dtype.
+    """
+
+    def __init__(self, a: torch.Tensor, chol: torch.Tensor, scale: torch.Tensor) -> None:
+        self.a, self.chol, self.scale = a, chol, scale
+        self._b: torch.Tensor | None = None
+
+    def apply(self, fn) -> Woodbury:
+        """A copy with ``fn`` applied to each tensor (`nn.Module._apply`'s conversions)."""
+        return Woodbury(fn(self.a), fn(self.chol), fn(self.scale))
+
+    @property
+    def b(self) -> torch.Tensor:
+        """``B = L⁻¹ Ã`` ``(r, K)`` (BLAS ``trsm``), solved once."""
+        if self._b is None:
+            self._b = solve_lower(self.chol, self.a)
+        return self._b
+
+    def covariance_(self, out: torch.Tensor) -> torch.Tensor:
+        """``out ← Σ`` ``(K, K)`` (one ``syrk``, in ``B``'s dtype), exactly symmetric."""
+        full = out if self.a.dtype == out.dtype else torch.empty_like(out, dtype=self.a.dtype)
+        _identity_minus_gram_(self.b, full)
+        scale = self.scale
+        full.mul_(scale if scale.dim() == 0 else scale[:, None] * scale[None, :])
+        if full is not out:
+            out.copy_(full)
+        return out
+
+    def marginal_variance(self) -> torch.Tensor:
+        """``diag Σ = d² (1 − Σ_r B²)`` ``(K,)`` float64."""
+        var = 1.0 - self.b.double().square().sum(0)
+        scale = self.scale.double()
+        return var * (scale if scale.dim() == 0 else scale.square())
+
+    def functional_covariance(self, jp: torch.Tensor) -> torch.Tensor:
+        """``J Σ Jᵀ`` ``(n, O, O)`` float64 from ``J`` ``(n, O, K)``: ``(JD)(JD)ᵀ − M Mᵀ`` with
+        ``Mᵀ = L⁻¹ Ã (JD)ᵀ`` (``n·O·K·(r + 1) + n·O·r²`` multiplications, no ``(K, K)`` matrix
+        and no ``B``), in float64: the difference cancels, and float32 would lose ``ε ‖JD‖²``
+        where a formed ``Σ`` loses ``ε ‖JΣJᵀ‖``."""
+        n, o, k = jp.shape
+        scale = self.scale.double()
+        jd = jp.double() if scale.dim() == 0 else jp.double() * scale
+        at = self.a.double() @ jd.reshape(n * o, k).T  # shape: (r, n·O)
+        mt = torch.linalg.solve_triangular(self.chol.double(), at, upper=False)
+        m = mt.T.reshape(n, o, -1)
+        cov = torch.baddbmm(torch.bmm(jd, jd.mT), m, m.mT, alpha=-1.0)
+        return (cov + cov.mT).mul_(0.5 * scale if scale.dim() == 0 else 0.5)  # exactly symmetric
+
+
 class FullPosterior(Posterior):
     """Dense ``(K, K)`` ``Σ⁻¹ = PᵀGP/T + Λ₀``; ``Λ₀ = λ PᵀP``, ``λ I`` or ``diag(λ)``.
 
@@ -74,6 +133,7 @@ class FullPosterior(Posterior):
     name = "full"
     ggn = Deferred()
     precision_matrix = Deferred()
+    covariance_matrix = Deferred()
     scale_tril = Deferred()
 
     def __init__(self, dim: int, dtype: torch.dtype = torch.float64, device=None) -> None:
@@ -112,6 +172,7 @@ class FullPosterior(Posterior):
         self.__dict__["_rows"] = rows
         self.__dict__["_rows_ggn"] = None  # (the ggn buffer formed from the rows, its version)
         self.__dict__["_pending_prior"] = None
+        self.__dict__["_woodbury"] = None  # `Woodbury`: Σ = D (I − BᵀB) D left unformed
         self.__dict__["_eig_cache"] = None
         if rows is not None:
             self.__dict__["_pending"].add("ggn")
@@ -146,9 +207,18 @@ class FullPosterior(Posterior):
             self.__dict__["_rows_ggn"] = (self._buffers["ggn"], self._buffers["ggn"]._version)
         elif name == "precision_matrix":
             self._precision_(self.__dict__["_pending_prior"], out)
+        elif name == "covariance_matrix":
+            self.__dict__["_woodbury"].covariance_(out)
+            self.__dict__["_woodbury"] = None
         else:
             self._factor_from_covariance_(out)
         self.__dict__["_pending"].discard(name)  # only once written (an error leaves it pending)
+
+    def _apply(self, fn, recurse=True):
+        woodbury = self.__dict__.get("_woodbury")  # moves and casts with the buffers
+        if woodbury is not None:
+            self.__dict__["_woodbury"] = woodbury.apply(fn)
+        return super()._apply(fn, recurse)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         for name in DEFERRABLE:  # the state holds all of the posterior
@@ -188,19 +258,21 @@ class FullPosterior(Posterior):
     def set_prior(self, prior: PriorPrecision) -> None:
         """Write ``Σ⁻¹``, ``L`` and ``Σ`` in the buffers' dtype, without ``(K, K)`` temporaries
         on CPU (`linalg.posterior_factors_`); from the kept GGN rows by Woodbury's identity
-        when there are any (``Σ⁻¹`` and ``L`` then on first use). A precision that does not
+        when there are any (``Σ⁻¹``, ``Σ`` and ``L`` then on first use: the moments and the
+        marginal variances read its factors, not ``Σ``; `_woodbury_`). A precision that does not
         factorise so (not positive definite or evidently ill-conditioned in float32, or off
         CPU) is formed again in float64 and factorised there, with jitter if needed
         (`linalg.precision_to_scale_tril`)."""
         prior = _detached(prior)
-        out = [self._materialized(n) for n in ("precision_matrix", "scale_tril", "covariance_matrix")]
-        self.__dict__["_pending"] -= {"precision_matrix", "scale_tril"}
-        root = self._root()  # fewer GGN rows than K: Woodbury; Σ⁻¹ and L on first use
-        if root is not None and self._posterior_from_root_(root, prior, out[2]):
-            self.__dict__["_pending"].update({"precision_matrix", "scale_tril"})
+        self.__dict__["_pending"] -= {"precision_matrix", "covariance_matrix", "scale_tril"}
+        self.__dict__["_woodbury"] = None
+        root = self._root()  # fewer GGN rows than K: Woodbury; Σ⁻¹, Σ and L on first use
+        if root is not None and self._woodbury_(root, prior):
+            self.__dict__["_pending"].update({"precision_matrix", "covariance_matrix", "scale_tril"})
             self.__dict__["_pending_prior"] = prior
             return
-        precision, scale_tril, covariance = out
+        names = ("precision_matrix", "scale_tril", "covariance_matrix")
+        precision, scale_tril, covariance = (self._materialized(n) for n in names)
         if posterior_factors_(self._precision_(prior, precision), scale_tril, covariance):
             return
         p64 = precision  # float32: formed again in float64, so a small λ is not rounded away
@@ -225,27 +297,25 @@ class FullPosterior(Posterior):
             symmetrize_(p)
         return p
 
-    def _posterior_from_root_(
-        self, root: torch.Tensor, prior: PriorPrecision, covariance: torch.Tensor
-    ) -> bool:
-        """Write ``Σ`` from the GGN's root ``A`` ``(r, K)`` (``AᵀA = PᵀGP``) when ``r < K``, by
-        Woodbury's identity: with ``Λ₀ = D⁻²`` diagonal and ``Ã = A D``,
+    def _woodbury_(self, root: torch.Tensor, prior: PriorPrecision) -> bool:
+        """Keep ``Σ``'s Woodbury form from the GGN's root ``A`` ``(r, K)`` (``AᵀA = PᵀGP``) when
+        ``r < K``: with ``Λ₀ = D⁻²`` diagonal and ``Ã = A D``,
 
             ``Σ = (AᵀA/T + D⁻²)⁻¹ = D (I − Bᵀ B) D``,  ``B = chol(T I + Ã Ãᵀ)⁻¹ Ã``,
 
-        ``r²K + K²r/2`` multiplications (an ``(r, r)`` Cholesky, a triangular solve and one
-        ``syrk``) instead of the ``K³`` of inverting ``Σ⁻¹``. Computed in the buffers' dtype;
-        in float64 instead when float32 would lose more than about ``1e-3`` to the cancellation
-        in ``I − BᵀB`` (``max diag(T I + ÃÃᵀ)/T``, a lower bound on the condition number of
-        ``Σ⁻¹ D²``, above `FLOAT32_MAX_CONDITION`). Returns ``False`` (nothing written) for a
-        prior that is not diagonal (``λ PᵀP`` of a dense basis) or when ``T I + ÃÃᵀ`` does not
-        factorise."""
+        ``r²K/2 + r³/3`` multiplications (``ÃÃᵀ`` and its Cholesky factor; `Woodbury`) instead
+        of the ``K³`` of inverting ``Σ⁻¹``; ``B`` (a triangular solve, ``r²K``) and ``Σ`` (one
+        ``syrk``, ``K²r/2``) on first use. Computed in the buffers' dtype; in float64 instead when float32 would lose more
+        than about ``1e-3`` to the cancellation in ``I − BᵀB`` (``max diag(T I + ÃÃᵀ)/T``, a
+        lower bound on the condition number of ``Σ⁻¹ D²``, above `FLOAT32_MAX_CONDITION`).
+        Returns ``False`` (nothing kept) for a prior that is not diagonal (``λ PᵀP`` of a
+        dense basis) or when ``T I + ÃÃᵀ`` does not factorise."""
         if not prior.is_diagonal:
             return False
-        k, scalar = covariance.shape[0], prior.lam.dim() == 0
+        scalar = prior.lam.dim() == 0
         temperature = float(self.temperature)
         d = prior.diagonal().to(torch.float64).rsqrt()  # Λ₀ = D⁻²
-        for dtype in dict.fromkeys((covariance.dtype, torch.float64)):
+        for dtype in dict.fromkeys((self.buffer_dtype, torch.float64)):
             # λ I: chol(λT I + A Aᵀ)⁻¹ A is the same B, and A needs no scaled copy
             a = root.to(dtype) if scalar else root.to(dtype) * d.to(dtype)  # shape: (r, K)
             c = row_gram(a)
@@ -258,18 +328,8 @@ class FullPosterior(Posterior):
             chol, info = torch.linalg.cholesky_ex(c)
             if int(info) != 0:
                 return False
-            b = solve_lower(chol, a)  # shape: (r, K)
-            out = covariance
-            if dtype != covariance.dtype:
-                out = torch.empty(covariance.shape, dtype=dtype, device=covariance.device)
-            _identity_minus_gram_(b, out)
-            if scalar:
-                out.div_(float(prior.lam))
-            else:
-                dd = d.to(dtype)
-                out.mul_(dd[:, None] * dd[None, :])  # d_i d_j = d_j d_i: stays symmetric
-            if out is not covariance:
-                covariance.copy_(out)
+            scale = (1.0 / prior.lam.to(torch.float64)) if scalar else d
+            self.__dict__["_woodbury"] = Woodbury(a, chol, scale.to(dtype))
             return True
         return False
 
@@ -333,14 +393,27 @@ class FullPosterior(Posterior):
         return self.scale_tril
 
     def marginal_variance(self) -> torch.Tensor:
-        return self.covariance_matrix.diagonal().double()
+        woodbury = self._pending_woodbury()
+        if woodbury is None:
+            return self.covariance_matrix.diagonal().double()
+        return woodbury.marginal_variance()
+
+    def _pending_woodbury(self) -> Woodbury | None:
+        """`Woodbury`'s form while ``Σ`` is left to first use, else ``None``."""
+        if "covariance_matrix" in self.__dict__["_pending"]:
+            return self.__dict__["_woodbury"]
+        return None
 
     def functional_covariance(self, jp: torch.Tensor) -> torch.Tensor:
         """``J Σ Jᵀ`` ``(n, O, O)`` from ``J`` ``(n, O, K)``, in the buffers' dtype: with the
         factor, ``(J L)(J L)ᵀ`` by BLAS ``trmm`` on CPU (half the multiplications of ``J Σ``,
         overwriting ``jp`` when it is a column-major block, as the Jacobian blocks of a
         subnetwork are; positive semi-definite by construction); while ``L`` is left to first
-        use, ``J Σ Jᵀ`` with ``Σ`` (no ``K³/3`` Cholesky for it)."""
+        use, ``J Σ Jᵀ`` with ``Σ`` (no ``K³/3`` Cholesky for it); while ``Σ`` is left in
+        Woodbury's form, from its factors (`Woodbury.functional_covariance`)."""
+        woodbury = self._pending_woodbury()
+        if woodbury is not None:
+            return woodbury.functional_covariance(jp).to(self.buffer_dtype)
         jp = jp.to(self.buffer_dtype)
         n, o, k = jp.shape
         if "scale_tril" in self.__dict__["_pending"]:
