@@ -492,6 +492,27 @@ def flush_subnormal_(*tensors: torch.Tensor) -> int:
     return count
 
 
+def per_coordinate(value: torch.Tensor, size: int) -> torch.Tensor:
+    """``value`` (0-d or ``(size,)``) as a ``(size,)`` per-coordinate buffer: one number
+    expanded (zero stride, one element of memory) when every entry is equal, as a scalar prior
+    precision's is, else a contiguous copy. Such a buffer is written by replacement, never in
+    place (`transaction` keeps expanded tensors by reference); a module holding one calls
+    `writable_buffers_` before a ``state_dict`` is copied into it."""
+    flat = value.detach().reshape(-1)
+    if flat.numel() == 1 or (flat.numel() and 0 in flat.stride()) or bool((flat == flat[0]).all()):
+        return flat[:1].clone().expand(size)
+    return flat.clone()
+
+
+def writable_buffers_(module: nn.Module, names: Iterable[str]) -> None:
+    """Give the expanded (zero-stride) buffers ``names`` of ``module`` memory of their own, so
+    that ``load_state_dict`` can copy into them."""
+    for name in names:
+        buf = module._buffers.get(name)
+        if buf is not None and buf.numel() > 1 and 0 in buf.stride():
+            module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=buf.device)
+
+
 def num_weights(net: nn.Module) -> int:
     """Length ``D`` of the flat weight vector of ``net``."""
     return sum(math.prod(p.shape) for p in net.parameters())

@@ -201,6 +201,23 @@ def _lapack(a: torch.Tensor):
     return lapack
 
 
+def eigh_(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues ``(n,)`` (ascending) and eigenvectors ``(n, n)`` (columns) of the symmetric
+    part of the square ``a``, which is overwritten (symmetrised in place, then LAPACK's
+    ``syevd`` on its Fortran view on CPU: the vectors take ``a``'s memory and the only
+    temporary is ``syevd``'s workspace, instead of ``torch.linalg.eigh``'s copy of the input
+    beside it); ``torch.linalg.eigh`` elsewhere."""
+    symmetrize_(a)
+    lapack = _lapack(a)
+    if lapack is not None and a.is_contiguous():
+        syevd = lapack.ssyevd if a.dtype == torch.float32 else lapack.dsyevd
+        with blas_threads():  # the Fortran view of the symmetric C-ordered a is a itself
+            w, v, info = syevd(a.detach().numpy().T, compute_v=1, lower=0, overwrite_a=1)
+        if info == 0:
+            return torch.from_numpy(w), torch.from_numpy(v)
+    return torch.linalg.eigh(a)
+
+
 def logdet(a: torch.Tensor, what: str) -> torch.Tensor:
     """``log |a|`` of a symmetric positive-definite ``a`` via `cholesky`."""
     return 2 * cholesky(a, what).diagonal(dim1=-2, dim2=-1).log().sum(-1)

@@ -4,7 +4,11 @@ exactly as it was.
 `transaction(*objects)` snapshots what a fit may change (the buffers and parameters of every
 ``nn.Module`` reached, in place or by replacement, and the plain attributes of every object,
 containers copied one level deep) and restores it when the block raises anything, a
-``KeyboardInterrupt`` included, before the exception propagates. Fits write their results in
+``KeyboardInterrupt`` included, before the exception propagates. A module's buffers that no
+operation writes in place, only replaces (a subspace's index basis, a K-FAC posterior's
+eigenvectors; the module names them by `REPLACED_ONLY`), are kept by reference, not copied:
+restoring puts the original object back, and an in-place write into one inside the block is a
+library error the transaction reports (``RuntimeError``) rather than leave unrestorable. Fits write their results in
 place to avoid a second copy of large buffers, so the snapshot is a copy: when its bytes would
 exceed ``budget`` (default `BUDGET_BYTES`) no copy is taken and ``on_overflow`` (e.g. "mark the
 object unfitted") runs instead on failure, so an interrupted fit never reports itself fitted
@@ -45,6 +49,10 @@ BUDGET_BYTES = 256 * 2**20
 
 _MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
 
+#: the name of a module's method returning the names of its buffers that every operation
+#: replaces and none writes in place: the snapshot keeps them by reference
+REPLACED_ONLY = "buffers_replaced_only"
+
 
 def _is_shared_zero(t: torch.Tensor) -> bool:
     """An expanded tensor (a zero stride): never written in place, so kept by reference."""
@@ -66,24 +74,39 @@ class _Snapshot:
                 seen.add(id(obj))
                 self.plain.append(obj)
 
-    def nbytes(self) -> int:
-        total = 0
+    def _copied(self):
+        """``(module, slot, name, tensor, copy?)`` of every parameter and buffer."""
         for m in self.modules:
-            for t in list(m._parameters.values()) + list(m._buffers.values()):
-                if t is not None and not _is_shared_zero(t):
-                    total += t.numel() * t.element_size()
-        return total
+            by_reference = getattr(m, REPLACED_ONLY, None)
+            by_reference = frozenset(by_reference()) if by_reference is not None else frozenset()
+            for slot in ("_parameters", "_buffers"):
+                for name, t in getattr(m, slot).items():
+                    copy_it = t is not None and not _is_shared_zero(t)
+                    yield m, slot, name, t, copy_it and not (slot == "_buffers" and name in by_reference)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for *_, t, copy_it in self._copied() if copy_it)
 
     def take(self) -> None:
         self.tensors = []  # (module, slot, name, original object, copy of its values)
-        for m in self.modules:
-            for slot in ("_parameters", "_buffers"):
-                for name, t in getattr(m, slot).items():
-                    values = None if t is None or _is_shared_zero(t) else t.detach().clone()
-                    self.tensors.append((m, slot, name, t, values))
+        self.kept = []  # (module, name, tensor, its version): kept by reference
+        for m, slot, name, t, copy_it in self._copied():
+            self.tensors.append((m, slot, name, t, t.detach().clone() if copy_it else None))
+            if t is not None and not copy_it and not _is_shared_zero(t):
+                self.kept.append((m, name, t, t._version))
         self.attrs = [(o, _copy_attrs(o)) for o in self.modules + self.plain]
 
+    def check_kept(self) -> None:
+        """Raise if a buffer kept by reference was written in place (it cannot be restored)."""
+        for m, name, t, version in self.kept:
+            if t._version != version:
+                raise RuntimeError(
+                    f"transaction: {type(m).__name__}.{name} is declared replaced-only "
+                    f"({REPLACED_ONLY}) but was written in place; please report this bug"
+                )
+
     def restore(self) -> None:
+        self.check_kept()
         for m, slot, name, t, values in self.tensors:
             getattr(m, slot)[name] = t  # the original object, if a fit replaced it
             if values is not None:
@@ -138,6 +161,8 @@ def transaction(
         else:
             on_overflow()
         raise
+    if restore:
+        snap.check_kept()
 
 
 def transactional(
@@ -159,4 +184,4 @@ def transactional(
     return decorate
 
 
-__all__ = ["BUDGET_BYTES", "transaction", "transactional"]
+__all__ = ["BUDGET_BYTES", "REPLACED_ONLY", "transaction", "transactional"]

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .. import validation
 from ..data import DataSource, all_finite, as_tensors
-from ..flat import FlatNet, eval_mode
+from ..flat import FlatNet, eval_mode, per_coordinate, writable_buffers_
 from ..likelihoods import Likelihood, check_temperature
 from ..subspaces import Subspace
 from .evaluator import Evaluator
@@ -170,16 +170,14 @@ class SubspaceNet(PyroModule):
             raise ValueError(
                 "prior_scale: prior_mean='zero' needs one scalar scale for all weights"
             )
-        self.register_buffer("prior_scale", scale.expand(subspace.rank).clone())
+        self.register_buffer("prior_scale", per_coordinate(scale, subspace.rank))
         # λ in float64, the source of truth for the Laplace guides (exact, whatever the net's dtype)
         lam = torch.as_tensor(prior_scale, dtype=torch.float64, device=scale.device)
-        self.register_buffer(
-            "_prior_precision", lam.square().reciprocal().expand(subspace.rank).clone()
-        )
+        self.register_buffer("_prior_precision", per_coordinate(lam.square().reciprocal(), subspace.rank))
         k = subspace.rank
         #: ``t₀`` ``(K,)`` and ``PᵀP`` ``(K, K)`` float64; an empty ``prior_gram`` stands for
         #: ``I`` (``prior_mean="shift"`` or a subnetwork), never materialised.
-        self.register_buffer("prior_loc", torch.zeros(k, dtype=torch.float64, device=scale.device))
+        self.register_buffer("prior_loc", per_coordinate(torch.zeros((), dtype=torch.float64, device=scale.device), k))
         self.register_buffer("prior_gram", torch.zeros(0, dtype=torch.float64, device=scale.device))
         self.set_prior(prior_mean)
         release_stale_params(self)
@@ -195,7 +193,7 @@ class SubspaceNet(PyroModule):
         zero = prior_mean == "zero"
         gram = sub.gram() if zero and not sub.gram_is_identity else self.prior_loc.new_zeros(0)
         self.prior_gram = gram
-        self.prior_loc.copy_(sub.origin() if zero else self.prior_loc.new_zeros(k))
+        self.prior_loc = per_coordinate(sub.origin() if zero else self.prior_loc.new_zeros(()), k)
         self._gram_is_identity = gram.numel() == 0
         if prior_precision is not None:
             self.set_prior_precision(prior_precision)
@@ -239,6 +237,7 @@ class SubspaceNet(PyroModule):
         gram = state_dict.get(prefix + "prior_gram")
         if gram is not None and gram.shape != self.prior_gram.shape:
             self.prior_gram = torch.empty_like(gram)
+        writable_buffers_(self, ("prior_scale", "_prior_precision", "prior_loc"))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._gram_is_identity = self.prior_gram.numel() == 0
 
@@ -257,9 +256,9 @@ class SubspaceNet(PyroModule):
                 "prior_precision: prior_mean='zero' on a dense basis needs one scalar λ (the "
                 "prior's precision is λ PᵀP); per-weight λ needs an index subspace"
             )
-        lam = lam.to(self._prior_precision).expand(self.rank)
-        self._prior_precision.copy_(lam)
-        self.prior_scale.copy_(lam.rsqrt().to(self.prior_scale))
+        lam = lam.to(self._prior_precision)  # one number held when λ is (`per_coordinate`)
+        self._prior_precision = per_coordinate(lam, self.rank)
+        self.prior_scale = per_coordinate(lam.rsqrt().to(self.prior_scale), self.rank)
 
     def latent_model(self) -> torch.Tensor:
         """The model's latent sites alone (``"t"`` from `prior`), without data: the prototype

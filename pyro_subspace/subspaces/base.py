@@ -261,6 +261,10 @@ class IndexSubspace(Subspace):
     kind = "index"
     gram_is_identity = True
 
+    def buffers_replaced_only(self) -> tuple[str, ...]:
+        """The index basis is fixed at construction (`transaction.REPLACED_ONLY`)."""
+        return ("basis",)
+
     @property
     def rank(self) -> int:
         return self.basis.shape[0]

@@ -113,6 +113,10 @@ class LastLayerSubspace(IndexSubspace):
             rows = torch.cat([rows, c * p + torch.arange(c)[:, None]], dim=1)
         self.register_buffer("rows", rows.to(shift.device))
 
+    def buffers_replaced_only(self) -> tuple[str, ...]:
+        """The indices and their rows are fixed at construction (`transaction.REPLACED_ONLY`)."""
+        return ("basis", "rows")
+
     def feature_blocks(
         self, flat: FlatNet, x: torch.Tensor, w: torch.Tensor, chunk_size: int | None = 1024
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

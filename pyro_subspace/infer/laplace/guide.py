@@ -23,6 +23,7 @@ from pyro.infer.autoguide import AutoContinuous, AutoGuide
 
 from ... import validation as ck
 from ...data import DataSource
+from ...flat import per_coordinate, writable_buffers_
 from ...nn import SubspaceNet
 from ...nn.evaluator import Evaluator
 from ...transaction import transactional
@@ -157,7 +158,7 @@ class AutoSubspaceLaplace(AutoContinuous):
         #: the model's ``λ`` ``(K,)`` and noise ``σ`` (NaN: none) that ``Σ`` was formed with: a
         #: guide whose model has another prior or noise (a guide's state loaded without its
         #: model's) is refused at use instead of predicting with a Σ its evidence does not match
-        self.register_buffer("posterior_prior_precision", torch.zeros(k, **f64))
+        self.register_buffer("posterior_prior_precision", per_coordinate(torch.zeros((), **f64), k))
         self.register_buffer("posterior_sigma", torch.full((), math.nan, **f64))
         self._setup_prototype()
 
@@ -276,6 +277,7 @@ class AutoSubspaceLaplace(AutoContinuous):
             k = self._buffers["loc"].shape[0]
             state_dict[prefix + "posterior_prior_precision"] = torch.full((k,), math.nan).double()
             state_dict[prefix + "posterior_sigma"] = torch.tensor(math.nan).double()
+        writable_buffers_(self, ("posterior_prior_precision",))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _check_fitted(self) -> None:
@@ -306,7 +308,7 @@ class AutoSubspaceLaplace(AutoContinuous):
         return float(self.likelihood.sigma.detach())
 
     def _record_posterior_hyperparameters(self) -> None:
-        self.posterior_prior_precision.copy_(self.model.prior_precision)
+        self.posterior_prior_precision = per_coordinate(self.model.prior_precision, self.model.rank)
         self.posterior_sigma.fill_(self._model_sigma())
 
     def _mark_unfitted(self) -> None:

@@ -37,7 +37,7 @@ from typing import ClassVar, NamedTuple
 import torch
 from torch import nn
 
-from ....flat import FlatNet
+from ....flat import FlatNet, writable_buffers_
 from ....linalg import cholesky, logdet
 
 
@@ -118,6 +118,10 @@ class Posterior(nn.Module, ABC):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}"
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        writable_buffers_(self, list(self._buffers))  # e.g. a scalar λ's `per_coordinate`
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property
     def buffer_dtype(self) -> torch.dtype:

@@ -35,7 +35,8 @@ import math
 import torch
 
 from ....curvature.kfac import KronFactors, conv_patches, kfac
-from ....flat import eval_mode
+from ....flat import eval_mode, per_coordinate
+from ....linalg import eigh_
 from ....nn.evaluator import MapStatistics
 from ....validation import choice
 from .base import Posterior, PriorPrecision, check_positive
@@ -86,7 +87,7 @@ class KronPosterior(Posterior):
         self.fisher, self.conv, self.bias, self.damping = fisher, conv, bias, damping
         self.mc_samples, self.seed = mc_samples, seed
         f64 = {"dtype": torch.float64, "device": device}
-        self.register_buffer("prior_diagonal", torch.zeros(dim, **f64))
+        self.register_buffer("prior_diagonal", per_coordinate(torch.zeros((), **f64), dim))
         self.register_buffer("num_data", torch.zeros((), **f64))
         self._blocks: list[str] = []  # block prefixes "b0", "b1", ...
         #: per block, the module it belongs to and its parameters' names (`get_extra_state`)
@@ -103,6 +104,12 @@ class KronPosterior(Posterior):
             for key in ("pos", "gvals", "gvecs", "avals", "avecs", "diag")
             if f"{prefix}_{key}" in self._buffers
         }
+
+    def buffers_replaced_only(self) -> list[str]:
+        """Every block buffer but the curvature's eigenvalues (scaled in place by a new ``σ``):
+        a fit or a loaded state replaces the blocks (`transaction.REPLACED_ONLY`)."""
+        keep = ("pos", "gvecs", "avals", "avecs")
+        return [f"{p}_{k}" for p in self._blocks for k in keep if f"{p}_{k}" in self._buffers]
 
     def blocks(self) -> list[dict[str, torch.Tensor]]:
         """The blocks: dicts of ``pos`` and ``gvals, gvecs, avals, avecs`` (Kronecker) or
@@ -237,7 +244,7 @@ class KronPosterior(Posterior):
         lam = prior.diagonal().detach().to(torch.float64).expand(self.dim)
         check_positive(lam, "prior precision")
         self._block_lambdas(lam)  # one λ per Kronecker block: checked before it is kept
-        self.prior_diagonal.copy_(lam)
+        self.prior_diagonal = per_coordinate(lam, self.dim)
 
     def _block_lambdas(self, lam: torch.Tensor) -> list[torch.Tensor]:
         """Per block, its ``λ``: 0-d for a Kronecker block (refused unless constant over it),
@@ -442,11 +449,13 @@ class KronPosterior(Posterior):
                 out += v if diagonal else torch.diag_embed(v)
                 continue
             qg, qa = block["gvecs"], block["avecs"]
-            cols = _columns(rows, pos.reshape(qg.shape[0], qa.shape[0]), self.dim)
+            cols = _columns(rows, pos.reshape(qg.shape[0], qa.shape[0]))
             if cols is None:
                 return super().feature_covariance(phi, rows, diagonal)
-            proj = phi64[:, cols] @ qa  # (n, in): Q_Aᵀ φ̃
-            v = proj.square() @ m.reciprocal().T  # (n, out)
+            lo = int(cols[0])  # a last layer's weight columns are a range: a view, no copy
+            span = torch.equal(cols, torch.arange(lo, lo + cols.numel(), device=cols.device))
+            proj = (phi64[:, lo : lo + cols.numel()] if span else phi64[:, cols]) @ qa  # Q_Aᵀ φ̃
+            v = proj.square_() @ m.reciprocal().T  # (n, out)
             if diagonal:  # diag(Q_G diag(v) Q_Gᵀ): no (n, C, C) array
                 out += v @ qg.square().T
             else:
@@ -693,7 +702,9 @@ def _diagonal_blocks(module, grad, inp, roles, blocks, eig, cov, diagonal: bool)
 
 
 def _eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    values, vectors = torch.linalg.eigh((m + m.T).mul_(0.5))  # one temporary, not two
+    """Eigenpairs of a K-FAC factor (eigenvalues clamped at 0), overwriting ``m`` (the caller's
+    own copy: `linalg.eigh_`)."""
+    values, vectors = eigh_(m)
     return values.clamp_min(0), vectors
 
 
@@ -723,18 +734,18 @@ def _owning_modules(net: torch.nn.Module, basis: torch.Tensor) -> list[str]:
     return owners
 
 
-def _columns(rows: torch.Tensor, pos: torch.Tensor, dim: int) -> torch.Tensor | None:
+def _columns(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
     """The feature columns ``j`` ``(in,)`` with ``rows[:, j] == pos[:, i]`` for every column
     ``i`` of ``pos`` ``(C, in)``, or ``None`` when the block is not laid out as a last layer's
-    (``O(K)``: the row and column of each coordinate from one scatter)."""
+    (each of ``pos``'s first row found in ``rows``' first by a binary search, then one
+    ``(C, in)`` comparison: no ``(K,)`` maps)."""
     c, p = rows.shape
-    if pos.shape[0] != c:
+    if pos.shape[0] != c or pos.numel() == 0:
         return None
-    row_of = torch.full((dim,), -1, dtype=torch.long, device=rows.device)
-    col_of = torch.full((dim,), -1, dtype=torch.long, device=rows.device)
-    row_of[rows] = torch.arange(c, device=rows.device)[:, None].expand(c, p)
-    col_of[rows] = torch.arange(p, device=rows.device)[None, :].expand(c, p)
-    cols = col_of[pos[0]]
-    same_col = bool((col_of[pos] == cols[None, :]).all())
-    same_row = bool((row_of[pos] == torch.arange(c, device=rows.device)[:, None]).all())
-    return cols if same_col and same_row and bool((cols >= 0).all()) else None
+    first = rows[0]
+    order = torch.argsort(first)
+    at = torch.searchsorted(first[order], pos[0]).clamp_max_(p - 1)
+    cols = order[at]
+    if not torch.equal(first[cols], pos[0]):
+        return None
+    return cols if torch.equal(rows[:, cols], pos) else None

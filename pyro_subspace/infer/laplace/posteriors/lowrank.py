@@ -23,6 +23,7 @@ import torch
 from pyro.distributions import TorchDistribution, constraints
 
 from ....curvature import ggn_vector_product, lanczos_eigh
+from ....flat import per_coordinate
 from .base import Posterior, PriorPrecision, check_positive
 
 
@@ -64,7 +65,7 @@ class LowRankPosterior(Posterior):
         f64 = {"dtype": torch.float64, "device": device}
         self.register_buffer("eigenvalues", torch.zeros(rank, **f64))
         self.register_buffer("eigenvectors", torch.zeros(dim, rank, **f64))
-        self.register_buffer("prior_diagonal", torch.zeros(dim, **f64))
+        self.register_buffer("prior_diagonal", per_coordinate(torch.zeros((), **f64), dim))
         self.register_buffer("scale", torch.zeros(dim, **f64))
         self.register_buffer("factor_basis", torch.zeros(dim, rank, **f64))
         self.register_buffer("factor_weights", torch.zeros(rank, **f64))
@@ -139,7 +140,7 @@ class LowRankPosterior(Posterior):
         p = prior.diagonal().detach().to(torch.float64).expand(self.dim)
         check_positive(p, "posterior precision: the prior part")
         d, q, c = _factor(p, self.eigenvectors, self.eigenvalues / float(self.temperature))
-        self.prior_diagonal.copy_(p)
+        self.prior_diagonal = per_coordinate(p, self.dim)
         self.scale.copy_(d), self.factor_basis.copy_(q), self.factor_weights.copy_(c)
 
     def log_det(self, prior: PriorPrecision, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
