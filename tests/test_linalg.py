@@ -34,3 +34,23 @@ def test_scale_tril_and_covariance_match_the_inverse(k, dtype, monkeypatch):
     cov_torch = linalg.tril_outer(s_torch)
     assert ((s - s_torch).abs().max() / s_torch.abs().max()) < tol
     assert ((cov - cov_torch).abs().max() / cov_torch.abs().max()) < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("n", [10, 130])  # below and above the LAPACK route's 64 rows
+def test_eigh_in_place_equals_torch_eigh(n, dtype, tol):
+    """`linalg.eigh_` (symmetrise, LAPACK syevd on the matrix's own memory) gives the eigenvalues
+    of ``(A + Aᵀ)/2`` that a float64 ``torch.linalg.eigvalsh`` gives, orthonormal vectors that
+    reconstruct it, and overwrites its input."""
+    gen = torch.Generator().manual_seed(n)
+    a = torch.randn(n, n, generator=gen, dtype=torch.float64)
+    sym = (a + a.T) / 2
+    m = a.to(dtype, copy=True)
+    values, vectors = linalg.eigh_(m)
+    want = torch.linalg.eigvalsh(sym)
+    scale = float(want.abs().max())
+    assert float((values.double() - want).abs().max()) < tol * scale
+    v = vectors.double()
+    assert float((v.T @ v - torch.eye(n, dtype=torch.float64)).abs().max()) < 10 * tol * n
+    assert float((v @ torch.diag(values.double()) @ v.T - sym).abs().max()) < 10 * tol * scale
+    assert not torch.equal(m.double(), a.to(dtype).double())  # the input was the workspace
