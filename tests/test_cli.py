@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from sklearn.datasets import load_diabetes
 
 from pyro_subspace import cli
@@ -22,8 +23,9 @@ def test_default_run_writes_table_json_and_png(tmp_path, capsys):
     assert "MAP (SWA)" in printed and "PCA+ESS" in printed
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["rows"] == results["rows"]
-    # temperature "auto" is N/K: 400 toy points, K = 10
-    assert results["rank"] == 10 and results["temperature"] == pytest.approx(40.0)
+    # the toy runs the authors' recipe: T = 1.5 in the PCA subspace
+    assert results["rank"] == 10 and results["temperature"] == pytest.approx(1.5)
+    assert results["recipe"] == "authors" and results["sigma_in_training"] == 1.0
     for row in results["rows"].values():
         assert 0.0 <= row["coverage95"] <= 1.0 and row["rmse"] > 0
     png = (tmp_path / "toy_pca_ess.png").read_bytes()
@@ -34,6 +36,56 @@ def test_default_run_writes_table_json_and_png(tmp_path, capsys):
     assert "PSIS-LOO of the training points" in printed
     test_density = -results["rows"]["PCA+ESS"]["nll"]
     assert abs(results["loo_elpd_per_point"] - test_density) < 0.5
+
+
+def _resolved(argv):
+    """The options ``fit`` runs with for ``argv`` (parsed, then `fit.check`ed)."""
+    import importlib
+
+    from pyro_subspace.cli import options
+
+    args = importlib.import_module("pyro_subspace.cli.main").build_parser().parse_args(["fit", *argv])
+    args.check(args, options.given_options(argv))
+    return args
+
+
+def test_recipe_auto_is_the_authors_code_on_toy_and_the_library_elsewhere(tmp_path):
+    """``--recipe authors`` writes the settings of the authors' toy notebook into every option
+    not given; a given option wins; ``library`` (and auto off toy) keeps the parser's defaults."""
+    from pyro_subspace.cli import defaults
+
+    toy = _resolved([])
+    assert toy.recipe == "authors"
+    for name, value in {**defaults.AUTHORS, **defaults.AUTHORS_PCA, **defaults.AUTHORS_ESS}.items():
+        assert getattr(toy, name) == value, name
+    assert (toy.optimizer, toy.lr, toy.momentum, toy.batch_size) == ("sgd", 1e-2, 0.95, 50)
+    assert (toy.temperature, toy.prior_scale, toy.max_snapshots) == (1.5, 5.0, 10)
+    # a given option wins over the recipe; outside a PCA subspace the inference keeps its own
+    mine = _resolved(["--lr", "3e-3", "--temperature", "auto", "--samples", "7"])
+    assert (mine.lr, mine.temperature, mine.samples, mine.swa_lr) == (3e-3, "auto", 7, 1e-2)
+    nuts = _resolved(["--inference", "nuts"])  # NUTS keeps its warm-up (step-size adaptation)
+    assert (nuts.samples, nuts.warmup, nuts.temperature) == (300, 200, 1.5)
+    rand = _resolved(["--subspace", "random"])
+    assert (rand.temperature, rand.prior_scale, rand.optimizer) == ("auto", 1.0, "sgd")
+    for argv in (["--recipe", "library"], ["--dataset", "diabetes"], ["--dataset", "in_between"]):
+        lib = _resolved(argv)
+        assert lib.recipe == "library"
+        assert (lib.optimizer, lib.lr, lib.momentum, lib.batch_size) == ("adam", 1e-3, 0.9, None)
+        assert (lib.temperature, lib.prior_scale, lib.train_sigma) == ("auto", 1.0, "learn")
+        assert (lib.swa_lr, lib.max_snapshots, lib.samples, lib.warmup) == (3e-4, 20, 300, 200)
+    # the authors' toy inputs are (x/2, (x/2)^2) of the raw x; other data sets are untouched
+    from pyro_subspace import datasets
+
+    data = datasets.load("toy", n=20, n_test=5, n_grid=7)
+    scaled = defaults.authors_inputs(toy, data)
+    assert torch.allclose(scaled.x_train, datasets.toy_features(data.x_train_raw / 2))
+    assert torch.allclose(scaled.grid, datasets.toy_features(data.grid_x / 2))
+    assert torch.allclose(scaled.x_test, datasets.toy_features(data.x_test[:, 0] / 2))
+    assert torch.equal(scaled.y_train, data.y_train)
+    assert defaults.authors_inputs(_resolved(["--recipe", "library"]), data) is data
+    # and the library recipe still runs T = N/K on toy: 400 points, K = 10
+    results = cli.execute([*TINY, *MCMC, "--recipe", "library", "--out", str(tmp_path)])
+    assert results["temperature"] == pytest.approx(40.0) and "sigma_learned_with_map" in results
 
 
 def test_no_subcommand_is_fit_and_auto_hidden_is_the_papers_toy_net(tmp_path):

@@ -102,6 +102,38 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     t = options.add_regression_training(p, "of the MAP and SWA phases")
     t.add_argument(
+        "--recipe",
+        choices=defaults.RECIPES,
+        default="auto",
+        help="the training and sampling settings of the options not given: authors (the "
+        "authors' code for the paper's toy figure: SGD from the start at 1e-2, momentum 0.95, "
+        "batch 50, squared error, 3000 epochs collecting the last 1000, 10 deviations; in a PCA "
+        "subspace prior std 5 and T 1.5; 1000 draws), library (Adam MAP with sigma learned, "
+        "then SWA; T = N/K, prior std 1); auto: authors on toy, else library",
+    )
+    t.add_argument(
+        "--optimizer",
+        choices=("adam", "sgd"),
+        default="adam",
+        help="optimiser of the MAP phase (--lr is its rate); the SWA phase is SGD",
+    )
+    t.add_argument(
+        "--momentum", type=options.nonneg_float, default=0.9, help="SGD momentum (SWA, sgd MAP)"
+    )
+    t.add_argument(
+        "--batch-size",
+        type=options.int_at_least(1),
+        default=None,
+        help="minibatch size of the MAP phase (default: the full batch)",
+    )
+    t.add_argument(
+        "--train-sigma",
+        type=options.number_or("learn", options.positive_float, "a number > 0"),
+        default="learn",
+        help="the Gaussian loss's noise scale in training: learned with the MAP, or fixed "
+        "(1: the squared error / 2); inference then uses the maximum-likelihood value",
+    )
+    t.add_argument(
         "--activation",
         choices=tuple(options.ACTIVATIONS),
         default="relu",
@@ -125,8 +157,10 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def check(args: argparse.Namespace, given: set[str]) -> None:
-    """Reject option combinations that do not make sense (`options.UsageError`)."""
+    """Resolve ``--recipe`` (`defaults.resolve_recipe`), then reject option combinations that
+    do not make sense (`options.UsageError`)."""
     options.check_data(args, given)
+    defaults.resolve_recipe(args, given)
     if args.rank == "mle" and args.subspace != "pca":
         raise options.UsageError("--rank mle needs --subspace pca")
     if args.hessian == "kron" and args.subspace not in WHOLE_LAYERS:
@@ -264,8 +298,9 @@ class _SWAProgress:
 
 
 def _train(args: argparse.Namespace, data: datasets.Dataset):
-    """MAP (full-batch Adam), then SWA collecting the trajectory; returns net, the noise scale
-    learned with the MAP, collector."""
+    """MAP (``--optimizer``, full batch or ``--batch-size``), then SWA collecting the
+    trajectory; returns net, the noise scale of the training loss (learned with the MAP or
+    fixed by ``--train-sigma``), collector."""
     dtype = DTYPES[args.dtype]
 
     def make_net():
@@ -274,11 +309,15 @@ def _train(args: argparse.Namespace, data: datasets.Dataset):
 
     args.epochs = defaults.resolve_epochs(args, data, make_net)
     net = make_net()
-    lik = likelihoods.Gaussian()  # noise scale learned with the MAP (type-II ML) for training
+    if args.train_sigma == "learn":  # noise scale learned with the MAP (type-II ML)
+        lik = likelihoods.Gaussian()
+    else:  # a fixed scale: the squared error / (2 σ²)
+        lik = likelihoods.Gaussian(sigma=torch.tensor(args.train_sigma, dtype=dtype))
     collector = subspaces.SWACollector(net, max_snapshots=args.max_snapshots)
-    common = dict(weight_decay=args.weight_decay, seed=args.seed)
+    common = dict(weight_decay=args.weight_decay, seed=args.seed, momentum=args.momentum)
     show = not args.no_progress
     fit_map(net, lik, data.x_train, data.y_train, epochs=args.epochs, lr=args.lr,
+            optimizer=args.optimizer, batch_size=args.batch_size,
             progress=show and args.epochs > 0, **common)  # fmt: skip
     # the SWA phase keeps that σ: --swa-lr is a step size on the loss the MAP ended with
     with _SWAProgress(collector, args.swa_epochs, show):
@@ -345,7 +384,8 @@ def band_widths(
 def run(args: argparse.Namespace) -> dict:
     """The job; returns the results table as a dict and writes ``--out``."""
     options.seed_everything(args.seed)
-    data = _in_dtype(options.load_data(args, "regression"), DTYPES[args.dtype])
+    data = defaults.authors_inputs(args, options.load_data(args, "regression"))
+    data = _in_dtype(data, DTYPES[args.dtype])
     t0 = time.perf_counter()
     net, learned_sigma, collector = _train(args, data)
     t_train = time.perf_counter() - t0
@@ -405,7 +445,12 @@ def run(args: argparse.Namespace) -> dict:
         "inference": args.inference,
         "temperature": model.temperature_for(data.n_train),
         "sigma": sigma,
-        "sigma_learned_with_map": learned_sigma,
+        "recipe": args.recipe,
+        **(
+            {"sigma_learned_with_map": learned_sigma}
+            if args.train_sigma == "learn"
+            else {"sigma_in_training": learned_sigma}
+        ),
         "dtype": args.dtype,
         "train_seconds": t_train,
         "inference_seconds": t_infer,

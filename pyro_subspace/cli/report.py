@@ -31,7 +31,8 @@ def regression_table(results: dict) -> str:
     epistemic band's widths (1-D toy problems, ``fit``), PSIS-LOO (``fit`` with draws) and a
     legend of the columns."""
     header = (
-        f"dataset={results['dataset']}  subspace={results['subspace']} (K={results['rank']})  "
+        f"dataset={results['dataset']}  recipe={results.get('recipe', '-')}  "
+        f"subspace={results['subspace']} (K={results['rank']})  "
         f"inference={results['inference']}  T={results['temperature']:.3g}  "
         f"sigma={results['sigma']:.3f}  train {results['train_seconds']:.1f}s  "
         f"inference {results['inference_seconds']:.1f}s"
@@ -59,6 +60,11 @@ def regression_table(results: dict) -> str:
         lines.append(
             f"sigma: the noise scale every row uses, the maximum-likelihood value at the SWA "
             f"solution (learned with the MAP: {results['sigma_learned_with_map']:.3f})"
+        )
+    if "sigma_in_training" in results:
+        lines.append(
+            f"sigma: the noise scale every row uses, the maximum-likelihood value at the SWA "
+            f"solution (training held it at {results['sigma_in_training']:g})"
         )
     lines.append(
         "test NLL: mean negative log predictive density of the test points under the posterior\n"
