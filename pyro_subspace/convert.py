@@ -37,17 +37,32 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import arviz as az
 import numpy as np
 import pyro
 import torch
 from pyro import poutine
 from pyro.infer import MCMC
 from pyro.poutine.subsample_messenger import _Subsample
-from scipy.special import logsumexp
 
 from . import rng
 from .validation import check_int, positive_float, positive_int
+
+
+def _arviz() -> Any:
+    """arviz, imported on first use: ``import pyro_subspace`` does not pay its import (1.2 s and
+    135 MiB with xarray, pandas and matplotlib) unless an export or a LOO is asked for."""
+    az = globals().get("az")
+    if az is None:
+        import arviz as az
+
+        globals()["az"] = az
+    return az
+
+
+def __getattr__(name: str) -> Any:  # ``convert.az``: arviz, imported when first read
+    if name == "az":
+        return _arviz()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def to_inference_data(
@@ -303,7 +318,7 @@ def tempered_loo(
         reff = 1.0
         if chains > 1:
             if engine == "arviz":
-                ess = az.ess(posterior, method="mean")
+                ess = _arviz().ess(posterior, method="mean")
             else:
                 import arviz_stats  # noqa: F401  (registers the .azstats accessor)
 
@@ -313,8 +328,9 @@ def tempered_loo(
     if engine == "arviz_stats":
         return _tempered_loo_arviz_stats(log_lik, var_name, temperature, reff)
     from arviz.stats.stats_utils import ELPDData
+    from scipy.special import logsumexp
 
-    log_w, pareto_k = az.psislw(-ll / temperature, reff)
+    log_w, pareto_k = _arviz().psislw(-ll / temperature, reff)
     loo_i = logsumexp(np.asarray(log_w) + ll, axis=-1)
     lppd = float((logsumexp(ll, axis=-1) - np.log(n_samples)).sum())
     elpd = float(loo_i.sum())
@@ -351,6 +367,7 @@ def _loo_engine(engine: str | None) -> str:
     """``"arviz"`` (arviz 0.x's PSIS) or ``"arviz_stats"``, checked to be importable."""
     if engine not in (None, "arviz", "arviz_stats"):
         raise ValueError(f"engine: expected None, 'arviz' or 'arviz_stats', got {engine!r}")
+    az = _arviz()
     arviz0 = int(az.__version__.split(".")[0]) < 1 and hasattr(az, "psislw")
     if engine == "arviz" or (engine is None and arviz0):
         if not arviz0:
@@ -476,6 +493,7 @@ def _divergences(mcmc: MCMC, n_chains: int, n_draws: int) -> np.ndarray:
 
 def _from_dict(groups: dict[str, dict[str, np.ndarray]]) -> Any:
     groups = {name: vals for name, vals in groups.items() if vals}
+    az = _arviz()
     if int(az.__version__.split(".")[0]) >= 1:  # arviz 1.x: one dict of groups, a DataTree
         return az.from_dict(groups)
     return az.from_dict(**groups)  # arviz 0.x: groups as keywords, an InferenceData

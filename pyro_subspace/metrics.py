@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 
 import torch
-from sklearn.metrics import roc_auc_score
 from torch import Tensor
 from torch.distributions import Normal
 
@@ -416,6 +415,8 @@ def ood_auroc(probs_in: Tensor, probs_out: Tensor) -> float:
         )
     scores = [1 - p.max(dim=1).values.detach().cpu().double() for p in (p_in, p_out)]
     labels = torch.cat([torch.zeros(p_in.shape[0]), torch.ones(p_out.shape[0])])
+    from sklearn.metrics import roc_auc_score  # scikit-learn on first use
+
     return float(roc_auc_score(labels.numpy(), torch.cat(scores).numpy()))
 
 

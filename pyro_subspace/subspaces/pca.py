@@ -14,8 +14,6 @@ import warnings
 
 import numpy as np
 import torch
-from scipy.special import gammaln
-from sklearn.utils.extmath import randomized_svd
 from torch import nn
 
 from ..validation import check_int
@@ -191,6 +189,8 @@ def minka_log_evidence(
     n = float(n_samples)
     eps = 1e-15
     v = max(eps, lam[k:].sum() / (d - k))  # eq. (4)
+    from scipy.special import gammaln  # SciPy on first use
+
     i = np.arange(1, k + 1)
     log_pu = -k * math.log(2.0) + np.sum(
         gammaln((d - i + 1) / 2.0) - math.log(math.pi) * (d - i + 1) / 2.0
@@ -294,6 +294,8 @@ def pca(collector: SWACollector, rank: int | str, seed: int | None = 0) -> Subsp
             )
         if seed is None:  # one draw from torch's global generator (torch.manual_seed controls it)
             seed = int(torch.randint(0, 2**31 - 1, ()))
+        from sklearn.utils.extmath import randomized_svd  # scikit-learn on first use
+
         _, s, vt = randomized_svd(dev.numpy(force=True).astype(np.float64), rank, random_state=seed)
         _check_moved(float(s[0]), floor)
         moved = int((s > floor).sum())
