@@ -170,12 +170,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
     p.add_argument("--steps-only", action="store_true", help="only the step-time table")
     p.add_argument("--step-rounds", type=int, default=7, help="rounds of the step-time table")
+    p.add_argument(
+        "--step-epochs",
+        type=int,
+        default=5,
+        help="epochs of each timed call of the step-time table (12 minibatches each): a call's "
+        "fixed costs (checks, the all-or-nothing snapshot, the target probe) weigh 1/(12 x this)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.epochs, args.seeds, args.samples, args.step_rounds = 3, 1, 10, 2
     torch.set_num_threads(1)
     if args.steps_only:
-        lines = step_ratios(args.step_rounds, epochs=2 if args.quick else 5)
+        lines = step_ratios(args.step_rounds, epochs=2 if args.quick else args.step_epochs)
         print("\n".join(lines))
         return {"steps": lines}
     t_start = time.perf_counter()

@@ -118,15 +118,17 @@ def minibatch_loop(
         sizes = [min(bs, num_data - start) for start in range(0, num_data, bs)]
         check_lockstep(sum(s >= smallest for s in sizes), optimizer, "batch_size")
     history: list[float] = []
+    since_flush = 0  # steps since the optimiser's subnormals were last flushed
     bar = tqdm(total=epochs, desc=desc, disable=not progress or epochs == 0, leave=False, mininterval=0.5)
     try:
         for epoch in range(epochs):
             order = torch.randperm(num_data, generator=gen).to(device)
             batches = (idx for idx in order.split(bs) if idx.numel() >= smallest)
-            total, count = 0.0, 0
+            total, count, steps_taken = 0.0, 0, 0
             for value, size in take_steps(
                 step, batches, len, optimizer, epoch=epoch, desc=desc, data_parallel=data_parallel
             ):
+                steps_taken += 1
                 if epoch_loss == "points":
                     total += value * size
                     count += size
@@ -135,7 +137,7 @@ def minibatch_loop(
                     count += 1
             _check_trained(count, epoch, desc)
             history.append(total / count)
-            flush_optimizer_subnormals(optimizer)
+            since_flush = _flush_now(optimizer, since_flush + steps_taken, epoch == epochs - 1)
             if on_epoch is not None:
                 on_epoch(epoch, history[-1])
             bar.update()
@@ -222,8 +224,9 @@ def take_steps(
 
 
 def flush_optimizer_subnormals(optimizer: torch.optim.Optimizer | None) -> None:
-    """After an epoch: the subnormal entries of the optimiser's parameters and of its state
-    (Adam's moments) set to zero (`flat.flush_subnormal_`). Weight decay drives a dead unit's
+    """At the end of an epoch (every `FLUSH_STEPS` steps and after the last epoch): the
+    subnormal entries of the optimiser's parameters and of its state (Adam's moments) set to
+    zero (`flat.flush_subnormal_`). Weight decay drives a dead unit's
     weights and moments towards zero geometrically until they are subnormal, and a CPU computes
     with subnormals several times more slowly, in this loop and in every later use of the
     network; their values (below ``finfo.tiny``) change nothing else."""
@@ -233,6 +236,23 @@ def flush_optimizer_subnormals(optimizer: torch.optim.Optimizer | None) -> None:
     for state in optimizer.state.values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     flush_subnormal_(*tensors)
+
+
+#: `flush_optimizer_subnormals` runs at the end of an epoch once this many steps were taken
+#: since the last flush, and after the last epoch: often enough that subnormals (which take
+#: thousands of steps of weight decay to appear) cannot slow the training, rarely enough that
+#: the flush (a few operations over every parameter and state tensor) costs nothing per step on
+#: small data (digits: 12 minibatches an epoch)
+FLUSH_STEPS = 256
+
+
+def _flush_now(optimizer: torch.optim.Optimizer | None, steps: int, last: bool) -> int:
+    """Flush the optimiser's subnormals when ``steps >= FLUSH_STEPS`` or on the ``last`` epoch;
+    returns the steps since the last flush."""
+    if steps < FLUSH_STEPS and not last:
+        return steps
+    flush_optimizer_subnormals(optimizer)
+    return 0
 
 
 def _check_trained(count: int, epoch: int, desc: str, argument: str = "batch_size") -> None:
@@ -263,18 +283,18 @@ def loader_loop(
                 "together)"
             ) from err
         check_lockstep(steps, optimizer, "x")
-    history = []
+    history, since_flush = [], 0
     for epoch in range(epochs):
         if hasattr(loader.sampler, "set_epoch"):
             loader.sampler.set_epoch(offset + epoch)
-        total, count = 0.0, 0
+        total, count, steps_taken = 0.0, 0, 0
         for value, rows in take_steps(
             lambda batch: batch_loss(*batch), loader, lambda batch: len(batch[0]), optimizer,
             epoch=epoch, desc=desc, data_parallel=True,
         ):  # fmt: skip
-            total, count = total + value * rows, count + rows
+            total, count, steps_taken = total + value * rows, count + rows, steps_taken + 1
         _check_trained(count, epoch, desc, argument="x")
         history.append(total / count)
-        flush_optimizer_subnormals(optimizer)
+        since_flush = _flush_now(optimizer, since_flush + steps_taken, epoch == epochs - 1)
         on_epoch(epoch, history[-1])
     return history

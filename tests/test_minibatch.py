@@ -93,3 +93,29 @@ def test_the_optimiser_state_and_parameters_lose_their_subnormals_after_an_epoch
     normal = before["exp_avg"].abs() >= tiny
     assert torch.equal(state["exp_avg"][normal], before["exp_avg"][normal])
     assert float(p[1]) == 0.0 and float(p[0]) != 0.0 and torch.equal(state["step"], before["step"])
+
+
+def test_the_loop_flushes_every_flush_steps_steps_and_after_the_last_epoch(monkeypatch):
+    """The flush runs at the end of the epoch that reaches `FLUSH_STEPS` steps since the last
+    one, and after the last epoch whatever the count (so a finished fit has no subnormal)."""
+    from pyro_subspace import minibatch
+
+    calls = []
+    monkeypatch.setattr(minibatch, "FLUSH_STEPS", 5)
+    monkeypatch.setattr(minibatch, "flush_optimizer_subnormals", lambda opt: calls.append(opt))
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    ends = []
+
+    def run(epochs):
+        calls.clear()
+        ends.clear()
+        minibatch.minibatch_loop(
+            lambda idx: (p * idx.float()).sum(), 4, epochs=epochs, batch_size=2, optimizer=opt,
+            on_epoch=lambda epoch, loss: ends.append(len(calls)),
+        )  # fmt: skip
+        return len(calls), list(ends)
+
+    # 2 steps an epoch: flushed after epochs 3 and 6 (of 6), before their on_epoch
+    assert run(6) == (2, [0, 0, 1, 1, 1, 2])
+    assert run(1) == (1, [1])

@@ -249,3 +249,26 @@ def test_fit_svi_equals_per_slot_svi_from_the_same_seed(mode):
     for k, m in models[0].means().items():
         torch.testing.assert_close(m, ref[k], rtol=1e-4, atol=1e-5)
         assert not torch.equal(m, start[k])
+
+
+@pytest.mark.parametrize("mode", ["emp", "ensemble", "ecmp", "dropout", "dropconnect"])
+def test_select_slots_is_select_cut_into_slots_with_the_same_gradient(mode):
+    """The block views of one-assignment-per-slot families (EMP, ensembles) and `select`'s one
+    gather (every family) give the same numbers slot by slot, and the same gradient in the
+    flat means."""
+    torch.manual_seed(0)
+    model = PatchedNet(mlp(), likelihoods.Categorical(), mode=mode, n_components=3)
+    lay, flat = patch_flat.layout(model), patch_flat.flat_means(model)
+    assert (lay.plan is not None) == (mode in ("emp", "ensemble"))
+    for _ in range(4):
+        z = lay.draw(flat)
+        weights = [torch.randn(n) for n in lay.sizes]  # a random linear functional of the draw
+        got = lay.select_slots(flat, z)
+        (g_got,) = torch.autograd.grad(sum((w * c).sum() for w, c in zip(got, weights)), flat)
+        want = lay.select(flat, z)
+        (g_want,) = torch.autograd.grad((want * torch.cat(weights)).sum(), flat)
+        assert [tuple(w.shape) for w in got] == [(n,) for n in lay.sizes]
+        assert torch.equal(torch.cat(got), want) and torch.equal(g_got, g_want)
+        shaped = lay.select_slots(flat, z, shaped=True)
+        assert [w.shape for w in shaped] == [s.shape for s in model.slots]
+        assert all(torch.equal(a.reshape(-1), b) for a, b in zip(shaped, got))

@@ -87,6 +87,17 @@ class FlatLayout:
         self.drop = family.mode in ("dropout", "dropconnect")
         self.ones = torch.ones(len(base), device=device) if self.drop else None
         self.device = torch.device(device)
+        # with one assignment per slot (EMP, an ensemble), where each slot's selected means lie
+        # (`select_slots`): ``(offset, None)`` for a shared slot, the block at the offset;
+        # ``(offset, j)`` for a patched one, the block at ``offset + z[j] * numel``. One per
+        # element (ECMP, DropConnect) or a mask (dropout): ``None``, `select`'s one gather (for
+        # ECMP the faster: slot-wise reads plus one gather of the patched slots measured slower)
+        self.plan: list[tuple[int, int | None]] | None = None
+        if family.mode in ("emp", "ensemble") and not masked.any():
+            self.plan = [
+                (off, None if s.kind == "shared" else starts.get(family.site_for(s), 0))
+                for s, off in zip(family.slots, _cumsum([0, *self.blocks]))
+            ]
 
     def draw(self, like: torch.Tensor) -> torch.Tensor:
         """Every assignment of one draw, flattened ``(A,)``: ``torch.randint`` (int64) or
@@ -107,6 +118,24 @@ class FlatLayout:
             return flat * self.ones.to(flat.dtype).index_copy(0, self.sel, zs.to(flat.dtype))
         return flat.index_select(0, self.base.index_add(0, self.sel, self.stride_sel * zs))
 
+    def select_slots(
+        self, flat: torch.Tensor, z: torch.Tensor, shaped: bool = False
+    ) -> list[torch.Tensor]:
+        """`select` cut into the slots: ``[(numel,)]`` in slot order (``shaped``: each in its
+        parameter's shape). With one assignment per slot (EMP, ensembles) each slot's means are
+        one contiguous block (`_Block`: views, no ``(D,)`` index or gather, and a backward that
+        writes the gradient once); otherwise `select` then a split. The same numbers."""
+        if self.plan is None:
+            ws = self.select(flat, z).split(self.sizes)
+            return [w.view(s.shape) for w, s in zip(ws, self.family.slots)] if shaped else list(ws)
+        shapes = [s.shape if shaped else (s.numel,) for s in self.family.slots]
+        chosen, k = z.tolist(), self.family.n_components  # the few assignment sites' components
+        parts = [
+            (off, None) if j is None else (off + int(chosen[j]) * n, (off, k * n))
+            for (off, j), n in zip(self.plan, self.sizes)
+        ]
+        return list(_Blocks.apply(flat, parts, shapes))
+
     def split(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{parameter name: view (shape)}`` of the flat weights ``(D,)``, slots in order."""
         slots = self.family.slots
@@ -122,6 +151,39 @@ class FlatLayout:
         if self.kind == "cat":
             return UniformAssignments(self.num_assignments, self.family.n_components, like)
         return BernoulliAssignments(self.num_assignments, 1.0 - self.family.drop_prob, like)
+
+
+class _Blocks(torch.autograd.Function):
+    """Each slot's selected means as a view of the flat means ``(P,)``: ``parts`` holds one
+    ``(read, region)`` a slot, ``read`` the start of its block and ``region`` the ``(start,
+    size)`` of its ``K`` components (``None`` for a shared slot: the block is the whole slot);
+    each output has its slot's entry of ``shapes``. The views are read-only (an in-place write
+    into one raises, as for any view a custom function returns). In the backward pass the
+    gradient ``(P,)`` is written once, by one ``cat`` of the slots' pieces in order (the
+    gradient of the block read, zeros for a region's other components): `FlatLayout.select`'s
+    gather and scatter without a ``(D,)`` index or a zeroed ``(P,)``."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, parts: list, shapes: list):
+        ctx.parts, ctx.sizes = parts, [math.prod(sh) for sh in shapes]
+        return tuple(
+            flat.narrow(0, read, n).view(sh)
+            for (read, _), n, sh in zip(parts, ctx.sizes, shapes)
+        )
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        pieces, zeros = [], None
+        for (read, region), n, g in zip(ctx.parts, ctx.sizes, grads):
+            g = g.reshape(-1)
+            if region is None:
+                pieces.append(g)
+                continue
+            if zeros is None:  # one zero vector a step, its slices for every gap
+                zeros = g.new_zeros(max(r[1] for _, r in ctx.parts if r is not None))
+            before, after = read - region[0], region[0] + region[1] - read - n
+            pieces += [zeros[:before], g, zeros[:after]]
+        return torch.cat(pieces), None, None
 
 
 class FlatCache:

@@ -54,16 +54,35 @@ def _swapped(net: nn.Module, tensors: Mapping[str, torch.Tensor], kind: str) -> 
     saved = []
     try:
         for name, value in tensors.items():
-            prefix, _, attr = name.rpartition(".")
-            slots = getattr(net.get_submodule(prefix), kind)
-            if attr not in slots:
-                raise ValueError(f"weights: the network has no {kind[1:-1]} named {name!r}")
+            slots, attr = _place(net, name, kind)
             saved.append((slots, attr, slots[attr]))
             slots[attr] = value
         yield
     finally:
         for slots, attr, value in reversed(saved):
             slots[attr] = value
+
+
+def _place(net: nn.Module, name: str, kind: str) -> tuple[dict, str]:
+    """``(the module's _parameters/_buffers dict, attribute)`` of the dotted ``name``."""
+    prefix, _, attr = name.rpartition(".")
+    slots = getattr(net.get_submodule(prefix), kind)
+    if attr not in slots:
+        raise ValueError(f"weights: the network has no {kind[1:-1]} named {name!r}")
+    return slots, attr
+
+
+def _placed_forward(net: nn.Module, places: list, values: list, x: torch.Tensor) -> torch.Tensor:
+    """`swapped_forward` with the places resolved (`_place`): ``(N, O)`` outputs."""
+    saved = [slots[attr] for slots, attr in places]
+    try:
+        for (slots, attr), value in zip(places, values):
+            slots[attr] = value
+        out = net(x)
+    finally:
+        for (slots, attr), value in zip(places, saved):
+            slots[attr] = value
+    return out.unsqueeze(-1) if out.dim() == 1 else out  # as `PatchedNet.outputs`
 
 
 def swapped_forward(
@@ -227,17 +246,27 @@ def torch_step(model, num_data: int, lr: float, validate: bool = False):
     learned = [p for p in lik.parameters() if p.requires_grad]
     optimizer = _DecayedAdam([flat], decay, lr=lr, others=learned)
 
+    ensemble = model.mode == "ensemble"
+    # where each slot's tensor goes in the network, resolved once (`_swapped` per step otherwise)
+    places = [_place(model.net, s.name, "_parameters") for s in model.slots]
+    shapes, names = [s.shape for s in model.slots], [s.name for s in model.slots]
+
     def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         z = lay.draw(flat)
-        w = lay.select(flat, z)
+        ws = lay.select_slots(flat, z, shaped=True)
         if sigma > 0:  # one draw of σ ε for all weights
-            w = w + sigma * torch.randn(w.shape, dtype=w.dtype, device=w.device)
-        out = _forward(model, lay.split(w), xb, z)
+            noise = sigma * torch.randn(lay.base.shape, dtype=flat.dtype, device=flat.device)
+            ws = [w + e.view(sh) for w, e, sh in zip(ws, noise.split(lay.sizes), shapes)]
+        if ensemble:  # the drawn member's statistics
+            out = _forward(model, dict(zip(names, ws)), xb, z)
+        else:
+            out = _placed_forward(model.net, places, ws, xb)
         if validate:
             yb = lik.validate(out, yb)
-        # targets validated once by the caller: the log density without building a distribution
-        log_lik = lik.log_prob_prepared(out, yb)
-        return -log_lik.sum() / xb.shape[0] / temperature
+        # targets validated once by the caller: the minibatch's mean NLL by the likelihood's
+        # fastest kernel (`Likelihood.training_loss`: cross_entropy for a Categorical)
+        loss = lik.training_loss(out, yb)
+        return loss if temperature == 1 else loss / temperature
 
     return step, optimizer
 

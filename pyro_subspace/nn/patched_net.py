@@ -284,6 +284,15 @@ class PatchedNet(PyroModule):
             return self.outputs(weights, x, draws["z"] if self.mode == "ensemble" else None)
 
     @torch.no_grad()
+    def _one_draw_outputs(self, x: torch.Tensor) -> torch.Tensor:
+        """``sample_outputs(x, 1)[0]`` (the same draw from the same random stream, the same
+        outputs ``(N, O)``) through the one-draw path, without ``vmap``'s set-up."""
+        draws = self.sample_weights(1)
+        weights = {s.name: draws[s.site][0] for s in self.slots}
+        with eval_mode(self, self.net):
+            return self.outputs(weights, x, draws["z"][0] if self.mode == "ensemble" else None)
+
+    @torch.no_grad()
     def predictive_mean(self, x: torch.Tensor, num_samples: int = 100) -> torch.Tensor:
         """Posterior predictive mean by ``S`` draws (eq. 22) in eval mode (`sample_outputs`):
         class probabilities ``(N, C)`` for classification, regression means ``(N,)`` or
@@ -336,8 +345,9 @@ class PatchedNet(PyroModule):
             weights = {s.name: m for s, m in zip(self.slots, locs)}
         out = self.outputs(weights, x, z["z"] if self.mode == "ensemble" else None)
         yb = self.likelihood.validate(out, y) if validate else y
-        log_lik = self.likelihood.distribution(out).log_prob(yb)
-        nll = -log_lik.sum() * (total / n) / self.temperature
+        # the minibatch's mean NLL by the likelihood's fastest kernel (cross_entropy for a
+        # Categorical), scaled to the N points: fit's own step computes it alike
+        nll = self.likelihood.training_loss(out, yb) * total / self.temperature
         return nll + self.penalty() if include_penalty else nll
 
     def weight_decays(self, num_data: int) -> dict[str, float]:
@@ -417,8 +427,7 @@ class PatchedNet(PyroModule):
         # same whatever the source
         first = x[:1] if not streamed else _first_row(x)
         if first is not None:
-            with torch.no_grad():
-                probe = self.sample_outputs(first, 1)[0]
+            probe = self._one_draw_outputs(first)
         if not streamed:
             y = self.likelihood.validate(probe.new_zeros(local_n, *probe.shape[1:]), y)
         check_batchnorm_loader(self.net, x)
