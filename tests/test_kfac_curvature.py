@@ -608,3 +608,29 @@ def test_normalisation_layers_of_a_cnn_get_the_exact_ggn_diagonal(norm, device):
     assert block.params == ("1.weight", "1.bias")
     exact = exact_ggn(net, lik, x)
     assert rel(block.diagonal, block_of(exact, block).diagonal()) < 1e-10
+
+
+def test_the_channels_last_pass_gives_the_nchw_factors_and_leaves_the_inputs_alone(monkeypatch):
+    """On CPU the expand K-FAC pass of a CNN runs on channels-last copies of the input chunks
+    (`kfac.CHANNELS_LAST_ON_CPU`): the same factors as the NCHW pass (float64: rounding), a
+    BatchNorm's diagonal included, and the user's inputs and weights keep their layout."""
+    import importlib
+
+    kfac_module = importlib.import_module("pyro_subspace.curvature.kfac")
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Conv2d(4, 3, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 3 * 3, 3),
+    ).double().eval()  # fmt: skip
+    with torch.no_grad():
+        net[1].running_mean.uniform_(-0.5, 0.5)
+        net[1].running_var.uniform_(0.5, 2.0)
+    x = torch.randn(9, 2, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(1))
+    lik = likelihoods.Categorical()
+    factors = {}
+    for flag in (False, True):
+        monkeypatch.setattr(kfac_module, "CHANNELS_LAST_ON_CPU", flag)
+        factors[flag] = kfac(net, lik, x, chunk_size=4)
+    dense = {flag: f.to_dense() for flag, f in factors.items()}
+    torch.testing.assert_close(dense[True], dense[False], rtol=1e-12, atol=0)
+    assert x.is_contiguous() and all(p.is_contiguous() for p in net.parameters())

@@ -106,6 +106,13 @@ MC_SEED = 0
 PASS_NUMBERS = 2**22
 #: Numbers in one sub-block of unfolded convolution patches ``(rows, in·kh·kw, R)``.
 UNFOLD_NUMBERS = 8_000_000
+#: On CPU, with the ``"expand"`` convention, a network with a ``Conv2d`` runs the K-FAC pass on
+#: a channels-last copy of each chunk of 4-D inputs (the user's inputs and network are
+#: untouched): the convolutions then work in NHWC, whose input-gradient kernels (the ``C``
+#: backward passes) run up to 4 times faster than the NCHW ones on this machine's CPU (a 16→32,
+#: stride-2 convolution at 32×32: 6.2 against 24.5 ms), and the expand A factor's channels-last
+#: row patches become a cheap copy (``"reduce"``'s ``F.unfold`` wants NCHW: 10% slower there).
+CHANNELS_LAST_ON_CPU = True
 
 
 @dataclass(eq=False)
@@ -408,6 +415,12 @@ def kfac(
     # diagonal blocks of a module's own parameters: per-sample Jacobians of the module alone,
     # from the same backward passes (`_local_diagonal_sums`); others through the whole network
     local = [_Layer(name, modules[name], None, None, False, {}) for name in diagonal]
+    nhwc = (
+        CHANNELS_LAST_ON_CPU
+        and conv == "expand"
+        and device.type == "cpu"
+        and any(isinstance(m, nn.Conv2d) for m in net.modules())
+    )
     with eval_mode(net), torch.enable_grad():
         for xs, ys in source:
             xs = xs.to(device)
@@ -415,6 +428,8 @@ def kfac(
                 chunk_size = _rows_per_pass(net, layers + local, xs, chunk_size)
             ycs = ys.split(chunk_size) if ys is not None else None
             for i, xc in enumerate(xs.split(chunk_size)):
+                if nhwc:  # channels last: the C backward passes' convolutions run faster on CPU
+                    xc = xc.contiguous(memory_format=torch.channels_last)
                 out, seen = _hooked_forward(net, layers + local, xc)
                 if first:
                     layers = _settle(layers, seen, xc.shape[0], diagonal, diag_sums)
