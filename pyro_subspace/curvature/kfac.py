@@ -102,8 +102,10 @@ BIASES = ("separate", "augment")
 MC_SEED = 0
 #: At most this many numbers in one layer's output per forward/backward pass: the ``C``
 #: backward passes of a pass then work in cache-sized tensors (a CNN's first stages at 1024
-#: rows run them about 1.6 times slower than at 256).
-PASS_NUMBERS = 2**22
+#: rows run them about 1.6 times slower than at 256), and each pass frees little enough that
+#: glibc keeps it for the next instead of returning it and faulting it in again (resnet4, 1024
+#: rows, fresh processes: 128-row passes 8.2-8.6 s, 256-row passes 10.4-10.8 s).
+PASS_NUMBERS = 2**21
 #: Numbers in one sub-block of unfolded convolution patches ``(rows, in·kh·kw, R)``.
 UNFOLD_NUMBERS = 8_000_000
 #: On CPU, with the ``"expand"`` convention, a network with a ``Conv2d`` runs the K-FAC pass on
