@@ -106,6 +106,10 @@ MC_SEED = 0
 #: glibc keeps it for the next instead of returning it and faulting it in again (resnet4, 1024
 #: rows, fresh processes: 128-row passes 8.2-8.6 s, 256-row passes 10.4-10.8 s).
 PASS_NUMBERS = 2**21
+#: ...but at least this many rows a pass (fewer than the chunk only if the chunk is smaller):
+#: below it the per-layer, per-column overhead of the ``C`` backward passes dominates
+#: (ResNet-18, whose widest output is 64·32·32 numbers a row: 32-row passes 250 s, 64-row 221 s).
+MIN_PASS_ROWS = 64
 #: Numbers in one sub-block of unfolded convolution patches ``(rows, in·kh·kw, R)``.
 UNFOLD_NUMBERS = 8_000_000
 #: On CPU, with the ``"expand"`` convention, a network with a ``Conv2d`` runs the K-FAC pass on
@@ -536,13 +540,13 @@ def _hooked_forward(net: nn.Module, layers: list[_Layer], x: torch.Tensor):
 
 def _rows_per_pass(net: nn.Module, layers: list[_Layer], x: torch.Tensor, chunk: int) -> int:
     """``chunk``, or fewer rows so that no K-FAC layer's output holds more than `PASS_NUMBERS`
-    numbers (measured by a forward pass of one row)."""
+    numbers (measured by a forward pass of one row), but not fewer than `MIN_PASS_ROWS`."""
     with torch.no_grad():
         _, seen = _hooked_forward(net, layers, x[:1])
     widest = max(
         (z.numel() for calls in seen.values() for _, z in calls if z is not None), default=1
     )
-    return max(1, min(chunk, PASS_NUMBERS // widest))
+    return max(1, min(chunk, max(MIN_PASS_ROWS, PASS_NUMBERS // widest)))
 
 
 def _uses_running_stats(m: nn.Module) -> bool:
