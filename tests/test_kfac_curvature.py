@@ -627,10 +627,19 @@ def test_the_channels_last_pass_gives_the_nchw_factors_and_leaves_the_inputs_alo
         net[1].running_var.uniform_(0.5, 2.0)
     x = torch.randn(9, 2, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(1))
     lik = likelihoods.Categorical()
-    factors = {}
+    factors, layouts = {}, {}
     for flag in (False, True):
         monkeypatch.setattr(kfac_module, "CHANNELS_LAST_ON_CPU", flag)
+        seen = []  # the layout the second convolution receives in the chunks' passes
+        hook = net[3].register_forward_pre_hook(  # (a one-row probe sizes the passes first)
+            lambda m, inp: seen.append(inp[0].is_contiguous(memory_format=torch.channels_last))
+            if inp[0].shape[0] > 1
+            else None
+        )
         factors[flag] = kfac(net, lik, x, chunk_size=4)
+        hook.remove()
+        layouts[flag] = set(seen)
+    assert layouts == {False: {False}, True: {True}}  # the flag switches the pass's layout
     dense = {flag: f.to_dense() for flag, f in factors.items()}
     torch.testing.assert_close(dense[True], dense[False], rtol=1e-12, atol=0)
     assert x.is_contiguous() and all(p.is_contiguous() for p in net.parameters())

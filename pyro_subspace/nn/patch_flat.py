@@ -61,6 +61,7 @@ class FlatLayout:
         self.kind = sites[0][2] if sites else "cat"
         starts = dict(zip([name for name, _, _ in sites], _cumsum([0, *self.site_sizes])))
         self.sizes = [s.numel for s in family.slots]
+        self.shapes = [s.shape for s in family.slots]
         self.blocks = [s.numel * (k if s.kind == "patch" else 1) for s in family.slots]
         base, stride, zpos, masked = [], [], [], []  # per weight element, slots in order
         for s, off in zip(family.slots, _cumsum([0, *self.blocks])):
@@ -123,12 +124,11 @@ class FlatLayout:
     ) -> list[torch.Tensor]:
         """`select` cut into the slots: ``[(numel,)]`` in slot order (``shaped``: each in its
         parameter's shape). With one assignment per slot (EMP, ensembles) each slot's means are
-        one contiguous block (`_Block`: views, no ``(D,)`` index or gather, and a backward that
+        one contiguous block (`_Blocks`: views, no ``(D,)`` index or gather, and a backward that
         writes the gradient once); otherwise `select` then a split. The same numbers."""
+        shapes = self.shapes if shaped else [(n,) for n in self.sizes]
         if self.plan is None:
-            ws = self.select(flat, z).split(self.sizes)
-            return [w.view(s.shape) for w, s in zip(ws, self.family.slots)] if shaped else list(ws)
-        shapes = [s.shape if shaped else (s.numel,) for s in self.family.slots]
+            return [w.view(sh) for w, sh in zip(self.select(flat, z).split(self.sizes), shapes)]
         chosen, k = z.tolist(), self.family.n_components  # the few assignment sites' components
         parts = [
             (off, None) if j is None else (off + int(chosen[j]) * n, (off, k * n))
