@@ -14,7 +14,7 @@ from .data import check_batchnorm_loader
 from .exceptions import TrainingDivergedError
 from .flat import Preserved, eval_mode, preserved, train_mode
 from .likelihoods import Likelihood
-from .minibatch import loader_loop, minibatch_loop, shuffle_generator
+from .minibatch import fused_option, loader_loop, minibatch_loop, shuffle_generator
 from .subspaces import SWACollector
 from .threads import thread_policy
 
@@ -140,9 +140,10 @@ def fit_map(
 
     def make(kind: str, rate: float, params: list[dict]) -> torch.optim.Optimizer:
         params = [dict(g) for g in params]  # optimisers write their defaults into the groups
+        fused = fused_option(params)  # PyTorch's fused kernel where the tensors allow it
         if kind == "adam":
-            return torch.optim.Adam(params, lr=rate)
-        return torch.optim.SGD(params, lr=rate, momentum=momentum)
+            return torch.optim.Adam(params, lr=rate, **fused)
+        return torch.optim.SGD(params, lr=rate, momentum=momentum, **fused)
 
     def batch_loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         # per step only the step: tensor targets were validated once above (a stream's per

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pyro_subspace.minibatch import minibatch_loop, shuffle_generator
+from pyro_subspace.minibatch import fused_option, minibatch_loop, shuffle_generator
 
 
 def least_squares(n=23, d=3, seed=0):
@@ -119,3 +119,30 @@ def test_the_loop_flushes_every_flush_steps_steps_and_after_the_last_epoch(monke
     # 2 steps an epoch: flushed after epochs 3 and 6 (of 6), before their on_epoch
     assert run(6) == (2, [0, 0, 1, 1, 1, 2])
     assert run(1) == (1, [1])
+
+
+def test_fused_option_only_where_every_tensor_takes_the_fused_kernel():
+    """`fused_option` asks for PyTorch's fused optimiser kernel only when every parameter is a
+    floating-point tensor on CPU or CUDA (an integer or a meta tensor, or none: the default),
+    and the fused Adam and SGD steps equal the default ones to float64 rounding."""
+    t = torch.zeros(3, requires_grad=True)
+    assert fused_option([t]) == {"fused": True}
+    assert fused_option([{"params": [t]}, {"params": [t.detach().double()]}]) == {"fused": True}
+    assert fused_option([t, torch.zeros(3, dtype=torch.int64)]) == {}
+    assert fused_option([torch.zeros(3, device="meta")]) == {}
+    assert fused_option([]) == {}
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, 4, generator=g, dtype=torch.float64) for _ in range(30)]
+    for make in (
+        lambda ps, kw: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, **kw),
+        lambda ps, kw: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, **kw),
+    ):
+        start = torch.randn(5, 4, generator=g, dtype=torch.float64)
+        ps = [start.clone().requires_grad_(), start.clone().requires_grad_()]
+        opts = [make([ps[0]], {}), make([ps[1]], fused_option([ps[1]]))]
+        for grad in grads:
+            for p, opt in zip(ps, opts):
+                p.grad = grad.clone()
+                opt.step()
+        torch.testing.assert_close(ps[1], ps[0], rtol=1e-13, atol=1e-15)
+        assert not torch.equal(ps[0], start)

@@ -6,9 +6,12 @@ Pyro's param store see. For training, `flat_means` lays them out end to end in O
 ``(P,)`` (``P`` = `PatchFamily.num_variational_parameters`) and makes every per-slot parameter a
 view of its block, so an optimiser step on the flat tensor *is* a step on the means. `FlatLayout`
 then turns a draw of every assignment, flattened ``(A,)``, into the selected means of all ``D``
-weights with one ``index_select`` (eq. 1 with ``σ → 0``: ``W = M_z``), and a step costs one
-gather, one scatter in the backward pass and one optimiser update, whatever the number of
-patched tensors. The per-element arithmetic is that of `PatchFamily.select`: the same numbers.
+weights with one ``index_select`` (eq. 1 with ``σ → 0``: ``W = M_z``; `FlatLayout.select`), or
+slot by slot from the per-slot parameters (`FlatLayout.pick`: the parameter itself, its drawn
+component, or ECMP's one gather of the patched elements), whose gradients `shared_gradient`
+makes views of the flat gradient: a training step then costs what a plain step on the network costs plus the
+draw, and one optimiser update of the flat means, whatever the number of patched tensors. The
+per-element arithmetic is that of `PatchFamily.select`: the same numbers.
 
 The distributions of `patch_svi`'s whole-tensor sites are here too, each the law it replaces
 with the per-element work done once: `UniformAssignments` (``Categorical(1/K)`` per element),
@@ -18,8 +21,10 @@ with the per-element work done once: `UniformAssignments` (``Categorical(1/K)`` 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
+from collections.abc import Iterator
 from typing import ClassVar
 
 import torch
@@ -34,6 +39,7 @@ __all__ = [
     "UniformAssignments",
     "flat_means",
     "layout",
+    "shared_gradient",
 ]
 
 
@@ -88,17 +94,20 @@ class FlatLayout:
         self.drop = family.mode in ("dropout", "dropconnect")
         self.ones = torch.ones(len(base), device=device) if self.drop else None
         self.device = torch.device(device)
-        # with one assignment per slot (EMP, an ensemble), where each slot's selected means lie
-        # (`select_slots`): ``(offset, None)`` for a shared slot, the block at the offset;
-        # ``(offset, j)`` for a patched one, the block at ``offset + z[j] * numel``. One per
-        # element (ECMP, DropConnect) or a mask (dropout): ``None``, `select`'s one gather (for
-        # ECMP the faster: slot-wise reads plus one gather of the patched slots measured slower)
-        self.plan: list[tuple[int, int | None]] | None = None
-        if family.mode in ("emp", "ensemble") and not masked.any():
+        # where each slot's selected means lie in its per-slot parameter (`pick`): ``None`` for a
+        # shared slot (the parameter itself); for a patched one ``j``, the position of its
+        # assignments in the draw: the slot's one (EMP, an ensemble) or its elements' (ECMP,
+        # ``z[j : j + numel]`` in order). A mask (dropout, DropConnect): no plan, `select`.
+        self.plan: list[int | None] | None = None
+        ecmp = family.mode == "ecmp" and self.zpos_sel is None
+        if (family.mode in ("emp", "ensemble") or ecmp) and not masked.any():
             self.plan = [
-                (off, None if s.kind == "shared" else starts.get(family.site_for(s), 0))
-                for s, off in zip(family.slots, _cumsum([0, *self.blocks]))
+                None if s.kind == "shared" else starts.get(family.site_for(s), 0)
+                for s in family.slots
             ]
+        self.per_element = ecmp
+        # ECMP: the flat position of every patched element's component 0 (in the order of `sel`)
+        self.gather_base = self.base[self.sel] if ecmp else None
 
     def draw(self, like: torch.Tensor) -> torch.Tensor:
         """Every assignment of one draw, flattened ``(A,)``: ``torch.randint`` (int64) or
@@ -119,22 +128,28 @@ class FlatLayout:
             return flat * self.ones.to(flat.dtype).index_copy(0, self.sel, zs.to(flat.dtype))
         return flat.index_select(0, self.base.index_add(0, self.sel, self.stride_sel * zs))
 
-    def select_slots(
-        self, flat: torch.Tensor, z: torch.Tensor, shaped: bool = False
-    ) -> list[torch.Tensor]:
-        """`select` cut into the slots: ``[(numel,)]`` in slot order (``shaped``: each in its
-        parameter's shape). With one assignment per slot (EMP, ensembles) each slot's means are
-        one contiguous block (`_Blocks`: views, no ``(D,)`` index or gather, and a backward that
-        writes the gradient once); otherwise `select` then a split. The same numbers."""
-        shapes = self.shapes if shaped else [(n,) for n in self.sizes]
+    def pick(
+        self, flat: torch.Tensor, params: list[torch.Tensor], z: torch.Tensor
+    ) -> list[torch.Tensor] | None:
+        """Each slot's selected means in its parameter's shape, from the per-slot parameters
+        ``params`` (`PatchedNet`'s, in slot order: ``(K, *shape)`` if patched; views of the
+        flat means ``flat``) and the flattened assignments ``(A,)``: a shared slot's parameter
+        itself; a patched slot's drawn component (EMP, ensembles: ``params[i][k]``) or, with one
+        assignment per element (ECMP), the patched slots' elements by one gather from ``flat``.
+        `select` cut into the slots, the same numbers; differentiable in ``params`` and
+        ``flat``, whose gradients `shared_gradient` makes one. ``None`` without a plan
+        (dropout, DropConnect: a mask, `select`)."""
         if self.plan is None:
-            return [w.view(sh) for w, sh in zip(self.select(flat, z).split(self.sizes), shapes)]
-        chosen, k = z.tolist(), self.family.n_components  # the few assignment sites' components
-        parts = [
-            (off, None) if j is None else (off + int(chosen[j]) * n, (off, k * n))
-            for (off, j), n in zip(self.plan, self.sizes)
-        ]
-        return list(_Blocks.apply(flat, parts, shapes))
+            return None
+        if self.per_element:  # ECMP: one gather of every patched element
+            picked = flat.index_select(0, self.gather_base + self.stride_sel * z)
+            parts = iter(picked.split([n for j, n in zip(self.plan, self.sizes) if j is not None]))
+            return [
+                p if j is None else next(parts).view(sh)
+                for p, j, sh in zip(params, self.plan, self.shapes)
+            ]
+        chosen = z.tolist()  # the few assignment sites' components
+        return [p if j is None else p[int(chosen[j])] for p, j in zip(params, self.plan)]
 
     def split(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{parameter name: view (shape)}`` of the flat weights ``(D,)``, slots in order."""
@@ -153,43 +168,11 @@ class FlatLayout:
         return BernoulliAssignments(self.num_assignments, 1.0 - self.family.drop_prob, like)
 
 
-class _Blocks(torch.autograd.Function):
-    """Each slot's selected means as a view of the flat means ``(P,)``: ``parts`` holds one
-    ``(read, region)`` a slot, ``read`` the start of its block and ``region`` the ``(start,
-    size)`` of its ``K`` components (``None`` for a shared slot: the block is the whole slot);
-    each output has its slot's entry of ``shapes``. The views are read-only (an in-place write
-    into one raises, as for any view a custom function returns). In the backward pass the
-    gradient ``(P,)`` is written once, by one ``cat`` of the slots' pieces in order (the
-    gradient of the block read, zeros for a region's other components): `FlatLayout.select`'s
-    gather and scatter without a ``(D,)`` index or a zeroed ``(P,)``."""
-
-    @staticmethod
-    def forward(ctx, flat: torch.Tensor, parts: list, shapes: list):
-        ctx.parts, ctx.sizes = parts, [math.prod(sh) for sh in shapes]
-        return tuple(
-            flat.narrow(0, read, n).view(sh)
-            for (read, _), n, sh in zip(parts, ctx.sizes, shapes)
-        )
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        pieces, zeros = [], None
-        for (read, region), n, g in zip(ctx.parts, ctx.sizes, grads):
-            g = g.reshape(-1)
-            if region is None:
-                pieces.append(g)
-                continue
-            if zeros is None:  # one zero vector a step, its slices for every gap
-                zeros = g.new_zeros(max(r[1] for _, r in ctx.parts if r is not None))
-            before, after = read - region[0], region[0] + region[1] - read - n
-            pieces += [zeros[:before], g, zeros[:after]]
-        return torch.cat(pieces), None, None
-
-
 class FlatCache:
     """What a `PatchedNet` keeps between steps, owned by the model (``model.flat_cache``, made
     in its constructor): the flat means (`flat_means`), the `FlatLayout` of its family on
-    one device and the prior precisions of its slots. Copies and pickles start empty (rebuilt on use)."""
+    one device and the prior precisions of its slots. Copies and pickles start empty (rebuilt on
+    use)."""
 
     __slots__ = ("flat", "layout", "prior_precisions")
 
@@ -239,6 +222,30 @@ def flat_means(model) -> nn.Parameter:
     flat.unconstrained = weakref.ref(flat)
     cache.flat = flat
     return flat
+
+
+@contextlib.contextmanager
+def shared_gradient(model) -> Iterator[torch.Tensor]:
+    """Training on the per-slot parameters with the gradient in the flat means: yields a zeroed
+    buffer ``(P,)`` that is ``flat_means(model).grad``, every per-slot parameter's ``.grad``
+    being the view of its block of it. Autograd accumulates into an existing ``.grad`` in place
+    (as under DDP's ``gradient_as_bucket_view``), so a loss built from the per-slot parameters
+    (`FlatLayout.pick`) leaves its gradient in ``flat.grad`` with no gather, scatter or ``cat``
+    of ``(P,)`` a step; an optimiser on the flat means must zero the buffer in place between
+    steps and reassign it to ``flat.grad`` (`patch_svi`'s Adam does). The per-slot gradients
+    are restored on exit."""
+    flat = flat_means(model)
+    params = [model._parameters[s.key] for s in model.slots]
+    saved = [p.grad for p in params]
+    buffer = torch.zeros_like(flat)
+    for p, block in zip(params, buffer.split(layout(model).blocks)):
+        p.grad = block.view(p.shape)
+    flat.grad = buffer
+    try:
+        yield buffer
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
 
 
 def _aliased(flat: torch.Tensor, params: list[torch.Tensor], blocks: list[int]) -> bool:

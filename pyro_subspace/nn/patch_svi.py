@@ -38,6 +38,7 @@ from pyro.optim import PyroOptim
 from pyro.poutine.runtime import effectful
 from torch import nn
 
+from ..minibatch import fused_option
 from . import patch_flat
 from .patch_family import plate_batch_shape
 
@@ -231,11 +232,14 @@ def svi_step(model, num_data: int, lr: float, probe: torch.Tensor | None = None)
 def torch_step(model, num_data: int, lr: float, validate: bool = False):
     """`PatchedNet.fit`'s ``"torch"`` step on a minibatch ``(x_b, y_b)`` of ``N = num_data``
     points, and its optimiser: `PatchedNet.negative_elbo` without the penalty, over ``N``,
-    computed from the flat means (one gather), and Adam on the flat means with eq. (7) as
-    per-element weight decay (`PatchedNet.weight_decays`). The same numbers as the per-slot
-    computation with one Adam group per decay value. Under data parallelism ``N`` is the total
-    over the ranks. ``validate``: check the targets against the outputs per batch (streamed
-    data; tensors are checked once by the caller)."""
+    computed from the per-slot means (`patch_flat.FlatLayout.pick`; with ``σ > 0`` or a mask
+    one gather from the flat means), and Adam on the flat means with eq. (7) as per-element
+    weight decay (`PatchedNet.weight_decays`). The same numbers as the per-slot computation
+    with one Adam group per decay value. Run the steps inside `patch_flat.shared_gradient`,
+    whose buffer the optimiser keeps as the flat gradient (``optimizer.grad_buffer``: set it
+    there). Under data parallelism ``N`` is the total over the ranks. ``validate``: check the
+    targets against the outputs per batch (streamed data; tensors are checked once by the
+    caller)."""
     n = num_data
     lay = patch_flat.layout(model)
     flat = patch_flat.flat_means(model)
@@ -245,6 +249,7 @@ def torch_step(model, num_data: int, lr: float, validate: bool = False):
     # a learned noise scale (Gaussian(sigma=None)) is trained too, as SVI trains its PyroParam
     learned = [p for p in lik.parameters() if p.requires_grad]
     optimizer = _DecayedAdam([flat], decay, lr=lr, others=learned)
+    params = [model._parameters[s.key] for s in model.slots]
 
     ensemble = model.mode == "ensemble"
     # where each slot's tensor goes in the network, resolved once (`_swapped` per step otherwise)
@@ -257,8 +262,10 @@ def torch_step(model, num_data: int, lr: float, validate: bool = False):
             w = lay.select(flat, z)  # gather (block views then a cat measured slower here)
             w = w + sigma * torch.randn(w.shape, dtype=w.dtype, device=w.device)
             ws = [v.view(sh) for v, sh in zip(w.split(lay.sizes), shapes)]
-        else:
-            ws = lay.select_slots(flat, z, shaped=True)
+        else:  # slot by slot; the gradient reaches flat.grad (`patch_flat.shared_gradient`)
+            ws = lay.pick(flat, params, z) or [
+                v.view(sh) for v, sh in zip(lay.select(flat, z).split(lay.sizes), shapes)
+            ]
         if ensemble:  # the drawn member's statistics
             out = _forward(model, dict(zip(names, ws)), xb, z)
         else:
@@ -276,7 +283,8 @@ def torch_step(model, num_data: int, lr: float, validate: bool = False):
 class _DecayedAdam(torch.optim.Adam):
     """Adam with a per-element L2 coefficient ``decay`` (the tensor form of ``weight_decay``:
     ``grad += decay ⊙ param`` before the update) on one parameter; ``others`` (e.g. a learned
-    noise scale) in a second group without decay."""
+    noise scale) in a second group without decay; optionally a shared gradient buffer
+    (`grad_buffer`, `zero_grad`)."""
 
     def __init__(
         self,
@@ -286,8 +294,22 @@ class _DecayedAdam(torch.optim.Adam):
         others: list[torch.Tensor] = (),
     ) -> None:
         groups = [{"params": params}] + ([{"params": list(others)}] if others else [])
-        super().__init__(groups, lr=lr)
+        super().__init__(groups, lr=lr, **fused_option(groups))
         self.decay = decay
+        #: the flat gradient buffer of `patch_flat.shared_gradient` (``None``: not shared)
+        self.grad_buffer: torch.Tensor | None = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As Adam's, except that a shared gradient buffer is zeroed in place and is again the
+        flat means' ``.grad`` (a gradient reduction may have replaced it): the per-slot
+        gradients stay views of it."""
+        if self.grad_buffer is None:
+            return super().zero_grad(set_to_none)
+        (flat,) = self.param_groups[0]["params"]
+        flat.grad = self.grad_buffer.zero_()
+        for group in self.param_groups[1:]:
+            for p in group["params"]:
+                p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
 
     @torch.no_grad()
     def step(self, closure=None):
