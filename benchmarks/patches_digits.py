@@ -126,7 +126,7 @@ def step_ratios(rounds: int = 7, epochs: int = 5, hidden: int = 128) -> list[str
 
         runs = {
             "plain": plain,
-            "fused": lambda: plain(fused=True),  # the Adam kernel fit_map and fit use
+            "fused": lambda: plain(fused=True),  # the Adam kernel fit uses
             "floor": floor,
             "vanilla": lambda: fit_map(
                 net, lik, x, y, lr=1e-3, weight_decay=1 / n, progress=False, **train
@@ -153,7 +153,7 @@ def step_ratios(rounds: int = 7, epochs: int = 5, hidden: int = 128) -> list[str
         )
     lines.append(
         "(plain: a plain PyTorch loop, randperm, index gather, cross_entropy, Adam with weight "
-        "decay 1/N; fused: the same with Adam(fused=True), the kernel fit_map and fit use; vanilla: fit_map on the same; floor: Pyro's SVI over pyro.module(net) with "
+        "decay 1/N; fused: the same with Adam(fused=True), the kernel fit uses (fit_map: the default); vanilla: fit_map on the same; floor: Pyro's SVI over pyro.module(net) with "
         "the same likelihood and no latent sites; "
         "SVI: fit(method='svi'), SVI(fused_model, fused_guide, JointOptim(Adam), Trace_ELBO()); "
         "per-site SVI: the tutorial's SVI(model, model.guide, pyro.optim.Adam, Trace_ELBO()) "

@@ -8,9 +8,9 @@ interleaved A B A B, best of the rounds (and the median over the rounds of each 
 ratio, which a drift of the machine's speed between rounds moves less). The row "plain loop,
 our loss" is the plain loop with ``-Categorical().log_prob(...)`` (the distribution-object loss
 `fit_map` used before), which shows where the difference was; "plain loop, fused Adam" the
-plain loop with PyTorch's fused Adam kernel, which `fit_map` and `PatchedNet.fit` use
-(`minibatch.fused_option`), so that the loops' own overhead can be read apart from the
-kernel's gain. `PatchedNet.fit` (EMP, ECMP, K = 5; its steps also draw a component; the last row also the weight noise of a positive ``σ``, drawn for all ``D``
+plain loop with PyTorch's fused Adam kernel, which `PatchedNet.fit` uses on its flat means
+(`minibatch.fused_option`; `fit_map` keeps the default kernel), so that the loops' own overhead
+can be read apart from the kernel's gain. `PatchedNet.fit` (EMP, ECMP, K = 5; its steps also draw a component; the last row also the weight noise of a positive ``σ``, drawn for all ``D``
 weights each step) is timed against the same plain loop, and
 ``PatchedNet.fit(method="svi")`` against Pyro's floor: ``SVI`` over ``pyro.module(net)`` with the
 same likelihood and no latent sites.

@@ -14,7 +14,7 @@ from .data import check_batchnorm_loader
 from .exceptions import TrainingDivergedError
 from .flat import Preserved, eval_mode, preserved, train_mode
 from .likelihoods import Likelihood
-from .minibatch import fused_option, loader_loop, minibatch_loop, shuffle_generator
+from .minibatch import loader_loop, minibatch_loop, shuffle_generator
 from .subspaces import SWACollector
 from .threads import thread_policy
 
@@ -140,10 +140,13 @@ def fit_map(
 
     def make(kind: str, rate: float, params: list[dict]) -> torch.optim.Optimizer:
         params = [dict(g) for g in params]  # optimisers write their defaults into the groups
-        fused = fused_option(params)  # PyTorch's fused kernel where the tensors allow it
+        # PyTorch's default (per-tensor) kernels, which a user's own loop gets: the MAP every
+        # subspace method starts from stays the one the committed tables were computed from
+        # (`PatchedNet.fit`, whose optimiser over its own flat means no user loop matches,
+        # takes the fused kernel: `minibatch.fused_option`)
         if kind == "adam":
-            return torch.optim.Adam(params, lr=rate, **fused)
-        return torch.optim.SGD(params, lr=rate, momentum=momentum, **fused)
+            return torch.optim.Adam(params, lr=rate)
+        return torch.optim.SGD(params, lr=rate, momentum=momentum)
 
     def batch_loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         # per step only the step: tensor targets were validated once above (a stream's per
