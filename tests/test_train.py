@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from pyro_subspace import fit_map, likelihoods, subspaces
-from pyro_subspace.flat import flush_subnormal_
+from pyro_subspace.flat import all_finite, flush_subnormal_
 
 
 def ridge_problem(n=60, d=4, seed=0):
@@ -200,3 +200,18 @@ def test_subnormal_weights_are_flushed_after_each_epoch_and_in_the_swa_statistic
     assert float(net[2].weight[0, 0]) == 0.0 and sum(sub(p) for p in net.parameters()) == 0
     with torch.no_grad():
         torch.testing.assert_close(net(x), before, rtol=1e-6, atol=0)
+
+
+def test_all_finite_flags_any_inf_or_nan_and_no_finite_overflow():
+    """`all_finite` is False exactly when some entry of some floating-point tensor (of any dtype
+    or device group) is ±inf or NaN; huge finite values, whose plain sum overflows, and integer
+    tensors are fine."""
+    big = torch.full((4,), torch.finfo(torch.float32).max)
+    assert torch.isinf(big.sum()) and all_finite(big, torch.zeros(3, dtype=torch.float64))
+    assert all_finite(torch.arange(5), torch.ones(2)) and all_finite()
+    for bad in (float("inf"), -float("inf"), float("nan")):
+        for dtype in (torch.float32, torch.float64):
+            t = torch.ones(7, dtype=dtype)
+            t[3] = bad
+            assert not all_finite(torch.ones(2), t)
+            assert not all_finite(t.reshape(7, 1).expand(7, 2))  # a non-contiguous view
