@@ -471,23 +471,6 @@ def _hooked(modules: list[nn.Module]) -> bool:
 
 
 @torch.no_grad()
-def all_finite(*tensors: torch.Tensor) -> bool:
-    """Whether every entry of the floating-point ``tensors`` is finite: per dtype and device one
-    sum over the tensors laid end to end and multiplied by 0 (``0·x`` is 0 for every finite
-    ``x`` and NaN for ``±inf`` and NaN, so the sum is 0 exactly when all are finite; no overflow
-    can make a finite set look infinite). A few operations for all the tensors: a small
-    network's ten tensors in about a quarter of ``get_total_norm(..., inf)``'s time."""
-    groups: dict = {}
-    for t in tensors:
-        if t is not None and t.is_floating_point() and t.numel():
-            groups.setdefault((t.dtype, t.device), []).append(t)
-    return all(
-        bool(torch.cat([t.detach().reshape(-1) for t in ts]).mul_(0).sum() == 0)
-        for ts in groups.values()
-    )
-
-
-@torch.no_grad()
 def flush_subnormal_(*tensors: torch.Tensor) -> int:
     """Set the subnormal entries (``0 < |x| < torch.finfo(dtype).tiny``) of floating-point
     ``tensors`` to zero, in place; returns how many there were.

@@ -10,7 +10,7 @@ from . import validation as ck
 from . import distributed
 from .data import check_batchnorm_loader
 from .exceptions import TrainingDivergedError
-from .flat import Preserved, all_finite, eval_mode, preserved, train_mode
+from .flat import Preserved, eval_mode, preserved, train_mode
 from .likelihoods import Likelihood
 from .minibatch import loader_loop, minibatch_loop, shuffle_generator
 from .subspaces import SWACollector
@@ -160,8 +160,8 @@ def fit_map(
 
     def checkpoint(epoch: int, loss: float) -> None:
         distributed.sync_buffers(net)  # BatchNorm statistics equal on every rank
-        # one reduction over every weight (`flat.all_finite`)
-        if not all_finite(*net.parameters()):
+        # a few reductions over all the weights laid end to end (`validation.all_finite`)
+        if not ck.all_finite(*net.parameters()):
             raise TrainingDivergedError(
                 f"fit_map: the weights became non-finite at epoch {epoch + 1}", epoch + 1
             )

@@ -3,7 +3,8 @@ import torch
 from torch import nn
 
 from pyro_subspace import fit_map, likelihoods, subspaces
-from pyro_subspace.flat import all_finite, flush_subnormal_
+from pyro_subspace.flat import flush_subnormal_
+from pyro_subspace.validation import FINITE_BLOCK, all_finite
 
 
 def ridge_problem(n=60, d=4, seed=0):
@@ -215,3 +216,13 @@ def test_all_finite_flags_any_inf_or_nan_and_no_finite_overflow():
             t[3] = bad
             assert not all_finite(torch.ones(2), t)
             assert not all_finite(t.reshape(7, 1).expand(7, 2))  # a non-contiguous view
+            assert not all_finite(t.to(torch.complex128))
+    # blocks: a large tensor split by rows, many small ones flushed as full blocks; the bad
+    # entry in the last row, in the last block, in a later group
+    large = torch.zeros(3 * FINITE_BLOCK // 8 + 5, 8)
+    small = [torch.zeros(1000) for _ in range(3 * FINITE_BLOCK // 1000)]
+    assert all_finite(large, *small)
+    large[-1, -1] = float("nan")
+    assert not all_finite(large) and not all_finite(*small, large)
+    small[-1][-1] = float("inf")
+    assert not all_finite(*small) and not all_finite(*small[:-1], torch.ones(3), small[-1])

@@ -72,8 +72,10 @@ for s in model.slots:
 # %% [markdown]
 # ## Pyro's own SVI
 # The guide samples the assignment `z` from its fixed uniform distribution (the same as the
-# model's, so it adds no KL and no gradient) and then the weights by reparameterisation; one
-# draw per step, minibatches via `num_data`.
+# model's, so it adds no KL and no gradient) and then the weights: with the default `sigma=0`
+# (the paper fixes σ at machine epsilon) a point mass at the drawn component's means, with a
+# positive `sigma` a Gaussian draw by reparameterisation; one draw per step, minibatches via
+# `num_data`.
 
 # %%
 svi = SVI(model, model.guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
@@ -83,7 +85,8 @@ for step in range(SVI_STEPS):
     idx = torch.randint(0, n, (128,))
     loss = svi.step(data.x_train[idx], data.y_train[idx], num_data=n)
     if step % max(1, SVI_STEPS // 3) == 0:
-        # the ELBO loss carries the constant C (the entropy of the narrow σ components)
+        # the ELBO loss carries a constant C (`elbo_constant`: with σ = 0 the prior's
+        # normalising terms, with σ > 0 also the entropy of the narrow components)
         print(f"step {step:4d}  (-ELBO - C) / N = {(loss - model.elbo_constant) / n:.3f}")
 model.eval()
 pred = Predictive(model, guide=model.guide, num_samples=S, parallel=True)(data.x_test)

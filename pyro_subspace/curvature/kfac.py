@@ -738,9 +738,13 @@ def _ones_column(rows: torch.Tensor) -> torch.Tensor:
 def _grad_gram(lay: _Layer, g: torch.Tensor, conv: str) -> torch.Tensor:
     """``Σ gᵀg`` ``(out, out)`` of one back-propagated column at a layer's output: over data
     points and locations (``"expand"``) or of the sums over the locations (``"reduce"``,
-    ``"backpack"``). A convolution's ``(n, out, R)`` is multiplied per data point where
-    ``R ≥ out`` (no transposed copy), else as ``(n·R, out)`` rows."""
+    ``"backpack"``). A convolution's ``(n, out, R)`` is multiplied as ``(n·R, out)`` rows when it
+    is channels-last (a view), else per data point where ``R ≥ out`` (no transposed copy), else
+    as rows."""
     if lay.conv:
+        if conv == "expand" and g.dim() == 4 and g.is_contiguous(memory_format=torch.channels_last):
+            # channels last (`CHANNELS_LAST_ON_CPU`): the (n·R, out) rows are a view, one product
+            return _rows_gram(g.permute(0, 2, 3, 1).reshape(-1, g.shape[1]))
         g = g.flatten(2)  # shape: (n, out, R)
         if conv != "expand":
             return _rows_gram(g.sum(2))
