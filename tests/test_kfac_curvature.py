@@ -643,3 +643,83 @@ def test_the_channels_last_pass_gives_the_nchw_factors_and_leaves_the_inputs_alo
     dense = {flag: f.to_dense() for flag, f in factors.items()}
     torch.testing.assert_close(dense[True], dense[False], rtol=1e-12, atol=0)
     assert x.is_contiguous() and all(p.is_contiguous() for p in net.parameters())
+
+
+class _Branchy(nn.Module):
+    """Conv+BatchNorm pairs to fold (with and without a convolution bias, stride 2, the first
+    layer, whose input needs no gradient) and pairs not to fold: a BatchNorm without affine
+    parameters (not in the pass), a convolution whose output a residual sum also uses, one with
+    reflect padding, and a BatchNorm after a ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.c0, self.b0 = nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.c1, self.b1 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4, affine=False)
+        self.c2, self.b2 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)  # c2 also residual
+        self.c3 = nn.Conv2d(4, 5, 3, stride=2, padding=1, padding_mode="reflect")
+        self.b3 = nn.BatchNorm2d(5)
+        self.c4, self.b4 = nn.Conv2d(5, 3, 1, stride=2, bias=False), nn.BatchNorm2d(3)
+        self.b5 = nn.BatchNorm2d(3)  # after a ReLU: no convolution to fold into
+        self.head = nn.Linear(3 * 2 * 2, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.b0(self.c0(x)))
+        h = torch.relu(self.b1(self.c1(h)))
+        z = self.c2(h)
+        h = torch.relu(self.b2(z) + z)
+        h = torch.relu(self.b3(self.c3(h)))
+        h = self.b5(torch.relu(self.b4(self.c4(h))))
+        return self.head(h.flatten(1))
+
+
+def test_folded_conv_batchnorm_pairs_give_the_unfolded_factors(monkeypatch, device):
+    """After the first chunk, each Conv2d whose output only an eval-mode BatchNorm uses runs as
+    one function with the folded weight (`kfac.FOLD_BATCHNORM`, `_FoldedConvBN`): exactly the
+    pairs that qualify are folded, the factors (the BatchNorm diagonals and the convolutions'
+    G included) equal the unfolded pass's and the exact GGN diagonal of the BatchNorms, and the
+    modules are left without the temporary forwards, also when the pass fails."""
+    import importlib
+
+    kfac_module = importlib.import_module("pyro_subspace.curvature.kfac")
+    torch.manual_seed(0)
+    net = _Branchy().double().eval()
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                if m.affine:
+                    m.weight.uniform_(0.5, 1.5)
+                    m.bias.uniform_(-0.5, 0.5)
+    net = net.to(device)
+    x = torch.randn(10, 2, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(3)).to(device)
+    lik = likelihoods.Categorical()
+    found = []
+    pairs = kfac_module._fold_pairs
+    monkeypatch.setattr(
+        kfac_module, "_fold_pairs", lambda *a: found.append(sorted(pairs(*a))) or pairs(*a)
+    )
+    factors = {}
+    for flag in (False, True):
+        monkeypatch.setattr(kfac_module, "FOLD_BATCHNORM", flag)
+        factors[flag] = kfac(net, lik, x, chunk_size=3)  # 4 chunks: 3 of them folded
+    assert found == [["c0", "c4"]]
+    dense = {flag: f.to_dense() for flag, f in factors.items()}
+    torch.testing.assert_close(dense[True], dense[False], rtol=1e-12, atol=0)
+    exact = exact_ggn(net, lik, x)
+    for b in factors[True].blocks:
+        if b.kind == "diagonal":
+            assert rel(b.diagonal, block_of(exact, b).diagonal()) < 1e-10
+    assert all("forward" not in vars(m) for m in net.modules())
+    # a failure inside a folded pass leaves the modules as they were
+    head = net.head.forward
+
+    def failing(h):
+        if "forward" in vars(net.c0):  # the fold is installed: this pass is a folded one
+            raise RuntimeError("failed in a folded pass")
+        return head(h)
+
+    monkeypatch.setattr(net.head, "forward", failing)
+    with pytest.raises(RuntimeError, match="folded pass"):
+        kfac(net, lik, x, chunk_size=3)
+    assert all("forward" not in vars(m) for m in net.modules() if m is not net.head)
