@@ -623,16 +623,8 @@ class _Fold:
         self.pre: torch.Tensor | None = None
 
     def scale_shift(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The BatchNorm as ``s ⊙ x + t`` (as `_affine_batchnorm`), detached."""
-        bn = self.bn
-        with torch.no_grad():
-            scale = (bn.running_var + bn.eps).rsqrt()
-            shift = -bn.running_mean * scale
-            if bn.weight is not None:
-                scale, shift = scale * bn.weight, shift * bn.weight
-            if bn.bias is not None:
-                shift = shift + bn.bias
-        return scale, shift
+        """The BatchNorm as ``s ⊙ x + t`` (`_batchnorm_affine`)."""
+        return _batchnorm_affine(self.bn)
 
     @property
     def used(self) -> bool:
@@ -709,15 +701,22 @@ def _affine_batchnorm(module, inp, out):
     to rounding, and a backward pass through it costs one multiplication, about a quarter of
     ``native_batch_norm_backward``'s (the ``C`` backward passes cross every BatchNorm)."""
     x = inp[0]
-    with torch.no_grad():
-        scale = (module.running_var + module.eps).rsqrt()
-        shift = -module.running_mean * scale
-        if module.weight is not None:
-            scale, shift = scale * module.weight, shift * module.weight
-        if module.bias is not None:
-            shift = shift + module.bias
+    scale, shift = _batchnorm_affine(module)
     shape = (1, -1) + (1,) * (x.dim() - 2)
     return torch.addcmul(shift.reshape(shape).to(x), x, scale.reshape(shape).to(x))
+
+
+def _batchnorm_affine(bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """An eval-mode BatchNorm as ``s ⊙ x + t`` per feature, detached: its running statistics
+    and affine parameters folded into one scale ``s`` and one shift ``t``, each ``(features,)``."""
+    with torch.no_grad():
+        scale = (bn.running_var + bn.eps).rsqrt()
+        shift = -bn.running_mean * scale
+        if bn.weight is not None:
+            scale, shift = scale * bn.weight, shift * bn.weight
+        if bn.bias is not None:
+            shift = shift + bn.bias
+    return scale, shift
 
 
 def _usable(lay: _Layer, calls: list, n: int) -> str | None:
