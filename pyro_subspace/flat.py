@@ -116,7 +116,7 @@ class FlatNet:
             and (w.dim() == 1 or (w.dim() == 2 and loop and w.shape[0] > 0))
             and (w.shape[-1] == self.num_weights)
         ):
-            if not _hooked(self._modules_seen):  # the flat vector's slices, no dict
+            if not hooked(self._modules_seen):  # the flat vector's slices, no dict
                 one = lambda v: self._plain_forward(dict(zip(self.names, self._slices(v))), x)
                 return one(w) if w.dim() == 1 else torch.stack([one(v) for v in w])
         return self.evaluate(self.unflatten(w), x)
@@ -159,7 +159,7 @@ class FlatNet:
         for name in buffers:
             if name not in own:
                 raise ValueError(f"buffers: the network has no buffer named {name!r}")
-        plain = self._plain is not None and not _hooked(self._modules_seen)
+        plain = self._plain is not None and not hooked(self._modules_seen)
         if not batch:
             if plain:
                 return self._plain_forward(params, x)
@@ -461,9 +461,10 @@ def _plain_layers(net: nn.Module) -> list | None:
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
-def _hooked(modules: list[nn.Module]) -> bool:
+def hooked(modules: list[nn.Module]) -> bool:
     """A hook on one of ``modules`` or on every module (``register_module_forward_hook``): such
-    a network must run through its modules' ``__call__``."""
+    a network must run through its modules' ``__call__`` as they are (`FlatNet`'s plain path,
+    K-FAC's folded Conv2d + BatchNorm pass)."""
     glob = torch.nn.modules.module
     if any(getattr(glob, f"_global{h}", None) for h in _HOOKS):
         return True

@@ -704,6 +704,13 @@ def test_folded_conv_batchnorm_pairs_give_the_unfolded_factors(monkeypatch, devi
         monkeypatch.setattr(kfac_module, "FOLD_BATCHNORM", flag)
         factors[flag] = kfac(net, lik, x, chunk_size=3)  # 4 chunks: 3 of them folded
     assert found == [["c0", "c4"]]
+    # a hook of the user's on a convolution or its BatchNorm keeps that pair unfolded
+    handle = net.b4.register_forward_hook(lambda m, i, o: None)
+    monkeypatch.setattr(kfac_module, "FOLD_BATCHNORM", True)
+    hooked = kfac(net, lik, x, chunk_size=3)
+    handle.remove()
+    assert found[-1] == ["c0"]
+    torch.testing.assert_close(hooked.to_dense(), factors[True].to_dense(), rtol=1e-12, atol=0)
     dense = {flag: f.to_dense() for flag, f in factors.items()}
     torch.testing.assert_close(dense[True], dense[False], rtol=1e-12, atol=0)
     exact = exact_ggn(net, lik, x)

@@ -82,7 +82,7 @@ from torch.func import functional_call, vjp, vmap
 
 from .. import distributed, rng
 from ..data import DataSource
-from ..flat import eval_mode
+from ..flat import eval_mode, hooked
 from ..likelihoods import Likelihood, check_likelihood
 from ..threads import thread_policy
 from ..validation import check_inputs, check_int, choice, positive_int
@@ -644,9 +644,9 @@ def _fold_pairs(layers: list[_Layer], local: list[_Layer], links: dict, out) -> 
     """``{conv name: _Fold}`` for every K-FAC ``Conv2d`` (zero padding given as numbers) whose
     returned output is, in the autograd graph of ``out``, consumed by exactly one operation:
     the eval-mode BatchNorm among ``local`` (the pass's diagonal modules: one with affine
-    parameters in scope) that takes it as its input. Found
-    on the first chunk's unfolded pass (`_hooked_forward`'s ``links``); a convolution whose
-    output another operation also uses (or nothing) is not folded."""
+    parameters in scope) that takes it as its input, neither with a hook of the user's (nor a
+    global one). Found on the first chunk's unfolded pass (`_hooked_forward`'s ``links``); a
+    convolution whose output another operation also uses (or nothing) is not folded."""
     if out.grad_fn is None:
         return {}
     uses: dict = {}  # autograd node -> how many nodes reaching `out` take it as an input
@@ -675,6 +675,8 @@ def _fold_pairs(layers: list[_Layer], local: list[_Layer], links: dict, out) -> 
         if not _uses_running_stats(m.module) or m.module.num_features != c.out_channels:
             continue
         if clone.grad_fn is None or uses.get(clone.grad_fn, 0) != 1:
+            continue
+        if hooked([c, m.module]):  # a user's hook would see the folded values: not folded
             continue
         folds[lay.name] = _Fold(c, m.module, m.name)
     return folds
