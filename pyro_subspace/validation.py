@@ -464,6 +464,8 @@ def all_finite(*tensors: torch.Tensor) -> bool:
     ten times faster on CPU than ``torch.isfinite(x).all()`` (92k floats: 20 against 220 µs)."""
     groups: dict = {}
     for t in tensors:
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors: expected torch.Tensors (or None), got {type(t).__name__}")
         if t is None or not (t.is_floating_point() or t.is_complex()) or not t.numel():
             continue
         t = t.detach()

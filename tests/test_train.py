@@ -209,7 +209,9 @@ def test_all_finite_flags_any_inf_or_nan_and_no_finite_overflow():
     tensors are fine."""
     big = torch.full((4,), torch.finfo(torch.float32).max)
     assert torch.isinf(big.sum()) and all_finite(big, torch.zeros(3, dtype=torch.float64))
-    assert all_finite(torch.arange(5), torch.ones(2)) and all_finite()
+    assert all_finite(torch.arange(5), torch.ones(2), None) and all_finite()
+    with pytest.raises(TypeError, match="tensors: expected torch.Tensors"):
+        all_finite(torch.ones(2), [1.0])
     for bad in (float("inf"), -float("inf"), float("nan")):
         for dtype in (torch.float32, torch.float64):
             t = torch.ones(7, dtype=dtype)

@@ -471,7 +471,7 @@ def kfac(
                         factor = _mc_factor(likelihood, out2.detach(), mc_samples, gen)
                     else:
                         factor = hessian_factor(likelihood, out2.detach()).to(out2)
-                    scales = {n: f.scale_shift()[0].to(out2) for n, f in folds.items() if f.used}
+                    scales = {n: f.scale for n, f in folds.items() if f.used}
                     local_grads = _backward(out2, factor, rest, seen, conv, local, scales)
                     # a folded BatchNorm's input is the convolution's output its fold kept
                     pre = {f.bn_name: f.pre for f in folds.values() if f.used}
@@ -485,7 +485,7 @@ def kfac(
                         _diagonal_sums(net, named, others, xc, factor)
                         diag_sums.update(others)
                 for f in folds.values():
-                    f.pre = None
+                    f.pre = f.scale = None
                 del out, seen
                 count += xc.shape[0]
 
@@ -620,11 +620,9 @@ class _Fold:
 
     def __init__(self, conv: nn.Conv2d, bn: nn.Module, bn_name: str) -> None:
         self.conv, self.bn, self.bn_name = conv, bn, bn_name
+        #: this chunk's ``conv(a)`` and ``s`` (``None`` until the fold ran; cleared per chunk)
         self.pre: torch.Tensor | None = None
-
-    def scale_shift(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The BatchNorm as ``s ⊙ x + t`` (`_batchnorm_affine`)."""
-        return _batchnorm_affine(self.bn)
+        self.scale: torch.Tensor | None = None
 
     @property
     def used(self) -> bool:
@@ -633,9 +631,10 @@ class _Fold:
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         c = self.conv
-        scale, shift = self.scale_shift()
+        scale, shift = _batchnorm_affine(self.bn)  # (`_affine_batchnorm`'s s and t)
+        self.scale = scale.to(a)
         z, self.pre = _FoldedConvBN.apply(
-            a, c.weight, c.bias, scale.to(a), shift.to(a), c.stride, c.padding, c.dilation
+            a, c.weight, c.bias, self.scale, shift.to(a), c.stride, c.padding, c.dilation
         )
         return z
 
