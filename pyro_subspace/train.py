@@ -12,7 +12,7 @@ from .data import check_batchnorm_loader
 from .exceptions import TrainingDivergedError
 from .flat import Preserved, eval_mode, preserved, train_mode
 from .likelihoods import Likelihood
-from .minibatch import loader_loop, minibatch_loop, shuffle_generator
+from .minibatch import foreach_option, loader_loop, minibatch_loop, shuffle_generator
 from .subspaces import SWACollector
 from .threads import thread_policy
 
@@ -138,13 +138,15 @@ def fit_map(
 
     def make(kind: str, rate: float, params: list[dict]) -> torch.optim.Optimizer:
         params = [dict(g) for g in params]  # optimisers write their defaults into the groups
-        # PyTorch's default (per-tensor) kernels, which a user's own loop gets: the MAP every
-        # subspace method starts from stays the one the committed tables were computed from
-        # (`PatchedNet.fit`, whose optimiser over its own flat means no user loop matches,
-        # takes the fused kernel: `minibatch.fused_option`)
+        # the multi-tensor kernels (`minibatch.foreach_option`): on CPU the same numbers bit for
+        # bit as the default per-tensor ones a user's own loop gets, so the MAP every subspace
+        # method starts from stays the one the committed tables were computed from; not the
+        # fused kernel, which rounds differently (`PatchedNet.fit`, whose optimiser over its own
+        # flat means no user loop matches, takes it: `minibatch.fused_option`)
+        kernel = foreach_option(params)
         if kind == "adam":
-            return torch.optim.Adam(params, lr=rate)
-        return torch.optim.SGD(params, lr=rate, momentum=momentum)
+            return torch.optim.Adam(params, lr=rate, **kernel)
+        return torch.optim.SGD(params, lr=rate, momentum=momentum, **kernel)
 
     def batch_loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         # per step only the step: tensor targets were validated once above (a stream's per

@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from pyro_subspace.minibatch import fused_option, minibatch_loop, shuffle_generator
+from pyro_subspace.minibatch import (
+    foreach_option,
+    fused_option,
+    minibatch_loop,
+    shuffle_generator,
+)
 
 
 def least_squares(n=23, d=3, seed=0):
@@ -146,3 +151,36 @@ def test_fused_option_only_where_every_tensor_takes_the_fused_kernel():
                 opt.step()
         torch.testing.assert_close(ps[1], ps[0], rtol=1e-13, atol=1e-15)
         assert not torch.equal(ps[0], start)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_foreach_option_gives_the_default_kernels_numbers_bit_for_bit(dtype):
+    """`foreach_option` asks for the multi-tensor kernels under the same condition as
+    `fused_option`, and on CPU their Adam (weight decay) and SGD (momentum) steps over several
+    tensors are the default per-tensor steps exactly (the same kernels, called from C++): what
+    lets `fit_map` use them and keep a user's loop's trajectory."""
+    t = torch.zeros(3, requires_grad=True)
+    assert foreach_option([t]) == {"foreach": True}
+    assert foreach_option([t, torch.zeros(3, dtype=torch.int64)]) == {}
+    assert foreach_option([torch.zeros(3, device="meta")]) == {}
+    assert foreach_option([]) == {}
+    g = torch.Generator().manual_seed(1)
+    shapes = [(5, 4), (4,), (3, 5), (1,)]
+    grads = [[torch.randn(s, generator=g, dtype=dtype) for s in shapes] for _ in range(30)]
+    for make in (
+        lambda ps, kw: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, **kw),
+        lambda ps, kw: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.1, **kw),
+    ):
+        start = [torch.randn(s, generator=g, dtype=dtype) for s in shapes]
+        runs = []
+        for kernel in ({"foreach": False}, foreach_option(start)):
+            ps = [p.clone().requires_grad_() for p in start]
+            opt = make([{"params": ps}], kernel)
+            for grad in grads:
+                for p, gr in zip(ps, grad):
+                    p.grad = gr.clone()
+                opt.step()
+            runs.append(ps)
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
+        assert not torch.equal(runs[0][0], start[0])
