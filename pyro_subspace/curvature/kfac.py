@@ -597,13 +597,16 @@ class _FoldedConvBN(torch.autograd.Function):
         ctx.save_for_backward(a, weight * scale.reshape(-1, 1, 1, 1))
         ctx.conf = (stride, padding, dilation)
         ctx.mark_non_differentiable(pre)
+        # `pre` never gets a gradient: without this the engine would fill a zero tensor of its
+        # size for it in every backward pass (one write of the layer's output per column)
+        ctx.set_materialize_grads(False)
         return z, pre
 
     @staticmethod
     def backward(ctx, g, _):
         a, folded = ctx.saved_tensors
         grad_a = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and g is not None:
             stride, padding, dilation = ctx.conf
             grad_a = torch.ops.aten.convolution_backward(
                 g, a, folded, None, stride, padding, dilation, False, [0, 0], 1,
