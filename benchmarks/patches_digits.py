@@ -73,6 +73,12 @@ def step_ratios(rounds: int = 7, epochs: int = 5, hidden: int = 128) -> list[str
         f"{'fit/fused':>11}{'SVI/floor':>11}"
         f"{'per-site SVI/van':>18}",
     ]
+    medians = [
+        f"median of the rounds' own ratios (a drift of the machine's speed between rounds "
+        f"moves it less than the best-of ratios)",
+        f"{'mode':<6}{'van/plain':>11}{'van/foreach':>13}{'fit/plain':>11}{'fit/fused':>11}"
+        f"{'SVI/floor':>11}",
+    ]
     for mode in ("emp", "ecmp"):
         pyro.clear_param_store()
         net = bn_mlp(data.n_features, 10, hidden=hidden, seed=0)
@@ -137,15 +143,24 @@ def step_ratios(rounds: int = 7, epochs: int = 5, hidden: int = 128) -> list[str
             "svi": lambda: model.fit(x, y, method="svi", **train),
             "site": per_site,
         }
-        best = dict.fromkeys(runs, float("inf"))
+        times: dict[str, list[float]] = {name: [] for name in runs}
         for run in runs.values():  # warm-up
             run()
         for _ in range(rounds):
             for name, run in runs.items():
                 t0 = time.perf_counter()
                 run()
-                best[name] = min(best[name], time.perf_counter() - t0)
-        ms = {k: 1000 * v / steps for k, v in best.items()}
+                times[name].append(time.perf_counter() - t0)
+        ms = {k: 1000 * min(v) / steps for k, v in times.items()}
+
+        def med(a: str, b: str) -> float:  # the median of the rounds' own ratios
+            return statistics.median(p / q for p, q in zip(times[a], times[b]))
+
+        medians.append(
+            f"{mode:<6}{med('vanilla', 'plain'):>10.2f}x{med('vanilla', 'foreach'):>12.2f}x"
+            f"{med('fit', 'plain'):>10.2f}x{med('fit', 'fused'):>10.2f}x"
+            f"{med('svi', 'floor'):>10.2f}x"
+        )
         lines.append(
             f"{mode:<6}{ms['plain']:>10.2f}{ms['fused']:>7.2f}{ms['foreach']:>9.2f}"
             f"{ms['vanilla']:>9.2f}{ms['fit']:>8.2f}{ms['svi']:>8.2f}{ms['floor']:>10.2f}"
@@ -154,6 +169,7 @@ def step_ratios(rounds: int = 7, epochs: int = 5, hidden: int = 128) -> list[str
             f"{ms['fit'] / ms['fused']:>10.2f}x{ms['svi'] / ms['floor']:>10.2f}x"
             f"{ms['site'] / ms['vanilla']:>17.2f}x"
         )
+    lines += medians
     lines.append(
         "(plain: a plain PyTorch loop, randperm, index gather, cross_entropy, Adam with weight "
         "decay 1/N; fused: the same with Adam(fused=True), the kernel fit uses; foreach: with "

@@ -328,6 +328,15 @@ class Preserved:
         """Keep the current weights and buffers when the block exits (modes are restored)."""
         self._kept = True
 
+    def refresh(self) -> None:
+        """Save the current weights and buffers again, into the copies already held (one
+        multi-tensor copy, no new memory): a training loop's per-epoch checkpoint."""
+        if self.saved_tensors:
+            with torch.no_grad():
+                torch._foreach_copy_(
+                    [v for _, v in self.saved_tensors], [t for t, _ in self.saved_tensors]
+                )
+
     def restore(self, failed: bool = True) -> None:
         """Put back what was saved: all of it after a failure (``failed``), on a normal exit
         only what was asked to be restored always (``True``, not ``"error"``)."""

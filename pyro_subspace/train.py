@@ -168,7 +168,7 @@ def fit_map(
                 f"fit_map: the weights became non-finite at epoch {epoch + 1}", epoch + 1
             )
         last_good["epoch"] = offset + epoch + 1
-        last_good["state"] = Preserved((net, likelihood), False, True, True)
+        last_good["state"].refresh()  # into the copies it holds: no new memory per epoch
         if in_swa:
             collector.collect()
 

@@ -94,6 +94,30 @@ def test_preserved_restores_modes_and_buffers_on_an_exception():
     assert not torch.equal(net[1].running_mean, saved[0])
 
 
+def test_preserved_refresh_saves_again_in_place_and_restore_returns_to_it():
+    """`Preserved.refresh` (fit_map's per-epoch checkpoint) re-saves every weight and buffer,
+    the integer ``num_batches_tracked`` included, into the copies it already holds; `restore`
+    then puts back the refreshed values, not the first ones."""
+    net = make_bn_net()
+    with preserved(net, buffers=True, weights=True) as state:
+        copies = [v.data_ptr() for _, v in state.saved_tensors]
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(1.0)
+        net(torch.randn(16, 4))  # moves the running statistics and the batch count
+        middle = {k: v.clone() for k, v in net.state_dict().items()}
+        state.refresh()
+        assert [v.data_ptr() for _, v in state.saved_tensors] == copies
+        with torch.no_grad():
+            for p in net.parameters():
+                p.mul_(3.0)
+        net(torch.randn(16, 4))
+        state.restore()
+        for k, v in net.state_dict().items():
+            assert torch.equal(v, middle[k]), k
+        assert int(net[1].num_batches_tracked) == int(middle["1.num_batches_tracked"]) == 4
+
+
 def _copy_with(net, params=None, buffers=None):
     """An independent evaluation: a deep copy of ``net`` with some tensors overwritten."""
     other = copy.deepcopy(net)
