@@ -37,7 +37,7 @@ from .. import validation
 from ..data import DataSource, as_tensors
 from ..exceptions import ConvergenceWarning
 from ..flat import eval_mode
-from ..likelihoods import Categorical, Likelihood, check_likelihood
+from ..likelihoods import Bernoulli, Categorical, Likelihood, check_likelihood
 from .ensembles import MixturePredictor, check_inputs, member_predictives, output_width
 
 __all__ = ["TemperatureScaling"]
@@ -87,7 +87,7 @@ class TemperatureScaling(MixturePredictor, nn.Module):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
         likelihood = Categorical() if likelihood is None else check_likelihood(likelihood)
-        if likelihood.is_regression:
+        if not isinstance(likelihood, (Categorical, Bernoulli)):  # outputs that are logits
             raise ValueError(
                 f"likelihood: temperature scaling calibrates classifiers (Categorical or "
                 f"Bernoulli), got {type(likelihood).__name__}"
