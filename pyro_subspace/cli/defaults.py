@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .. import datasets, likelihoods, rng
+from ..minibatch import foreach_option
 
 SYNTHETIC = ("toy", "in_between")
 RECIPES = ("auto", "authors", "library")
@@ -131,13 +132,12 @@ def early_stopping_epochs(
     with rng.seeded(seed, numpy=False, python=False):
         net = make_net()
     lik = likelihoods.Gaussian()
-    optimizer = torch.optim.Adam(
-        [
-            {"params": list(net.parameters()), "weight_decay": weight_decay},
-            {"params": [p for p in lik.parameters() if p.requires_grad], "weight_decay": 0.0},
-        ],
-        lr=lr,
-    )
+    groups = [
+        {"params": list(net.parameters()), "weight_decay": weight_decay},
+        {"params": [p for p in lik.parameters() if p.requires_grad], "weight_decay": 0.0},
+    ]
+    # the multi-tensor kernels: on CPU the default kernels' numbers bit for bit, as in fit_map
+    optimizer = torch.optim.Adam(groups, lr=lr, **foreach_option(groups))
     best, best_epoch = float("inf"), 1
     for epoch in range(1, max_epochs + 1):
         optimizer.zero_grad()
