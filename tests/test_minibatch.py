@@ -175,7 +175,7 @@ def test_foreach_option_gives_the_default_kernels_numbers_bit_for_bit(dtype):
         runs = []
         for kernel in ({"foreach": False}, foreach_option(start)):
             ps = [p.clone().requires_grad_() for p in start]
-            opt = make([{"params": ps}], kernel)
+            opt = make([{"params": ps[:3]}, {"params": ps[3:], "weight_decay": 0.0}], kernel)
             for grad in grads:
                 for p, gr in zip(ps, grad):
                     p.grad = gr.clone()
