@@ -157,8 +157,9 @@ def test_fused_option_only_where_every_tensor_takes_the_fused_kernel():
 def test_foreach_option_gives_the_default_kernels_numbers_bit_for_bit(dtype):
     """`foreach_option` asks for the multi-tensor kernels under the same condition as
     `fused_option`, and on CPU their Adam (weight decay) and SGD (momentum) steps over several
-    tensors are the default per-tensor steps exactly (the same kernels, called from C++): what
-    lets `fit_map` use them and keep a user's loop's trajectory."""
+    tensors in two groups (as `fit_map`'s weights and likelihood parameters) are the default
+    per-tensor steps exactly (the same kernels, called from C++): what lets `fit_map` use them
+    and keep a user's loop's trajectory."""
     t = torch.zeros(3, requires_grad=True)
     assert foreach_option([t]) == {"foreach": True}
     assert foreach_option([t, torch.zeros(3, dtype=torch.int64)]) == {}
