@@ -166,8 +166,9 @@ def linear_index_jacobians(
     come in the order of ``torch.cat`` over the plan's ``pos``, column-major, so that the
     transpose ``(K, C·n)`` of the GGN's ``A`` is a free reshape. Rows must not interact (eval
     mode), as for every Jacobian here. Returns ``None`` when the fast path does not apply to
-    this forward (a layer called more or less than once, or inputs that are not ``(n, in)``);
-    the caller then takes the generic path.
+    this forward (`_one_row_per_point`: a layer called more or less than once, or inputs and
+    outputs that are not ``(n, in)`` and ``(n, out)`` with the chunk's ``n`` rows, as in a
+    network that reshapes its batch); the caller then takes the generic path.
     """
     seen: dict[str, list] = {name: [] for name in plan}
 
@@ -185,10 +186,10 @@ def linear_index_jacobians(
     finally:
         for h in handles:
             h.remove()
-    if any(len(v) != 1 or v[0][0].dim() != 2 for v in seen.values()):
-        return None
     out2 = as_2d(out)
     n, o = out2.shape
+    if n != x.shape[0] or not all(_one_row_per_point(v, n) for v in seen.values()):
+        return None
     zs = [seen[name][0][1] for name in plan]
     if factor is None:
         seeds = torch.eye(o, dtype=out2.dtype, device=out2.device)[:, None, :].expand(o, n, o)
@@ -220,6 +221,18 @@ def linear_index_jacobians(
         torch.index_select(g, 0, i, out=cols)
         cols.mul_(a1.index_select(0, j)[:, None, :])
     return out2.detach(), jac.detach()
+
+
+def _one_row_per_point(calls: list, n: int) -> bool:
+    """The fast path's precondition for one Linear layer: called once, on an input ``(n, in)``
+    giving ``(n, out)``, row ``r`` being data point ``r``'s. A network that reshapes its batch
+    (pairs ``(B, 2, d) → (2B, d)``, sets, tokens ``(B·L, d)``, a batch cut into rows and
+    joined again) gives a layer more (or fewer) rows than data points, and a layer called
+    twice sums two inputs' products: both take the generic path."""
+    if len(calls) != 1:
+        return False
+    a, z = calls[0]
+    return a.dim() == 2 and z.dim() == 2 and a.shape[0] == n and z.shape[0] == n
 
 
 def index_jacobian_blocks(
