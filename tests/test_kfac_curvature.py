@@ -450,7 +450,11 @@ def test_modules_by_name_and_frozen_parameters():
     assert isinstance(factors, KronFactors) and factors.num_weights == 26
 
 
-def test_a_layer_called_twice_gets_the_exact_diagonal():
+def test_a_layer_called_twice_keeps_kfac_with_both_calls_summed():
+    """As curvlinops' hooks (laplace-torch's default backend): each call's rows are more rows
+    of ``A`` and ``G`` (tests/test_reshaping_curvature.py checks the factors against their
+    per-layer definition and against laplace-torch); no fallback, no warning."""
+
     class Twice(nn.Module):
         def __init__(self):
             super().__init__()
@@ -463,11 +467,29 @@ def test_a_layer_called_twice_gets_the_exact_diagonal():
     net = Twice().double()
     x = torch.randn(8, 3, dtype=F64)
     lik = likelihoods.Categorical()
-    with pytest.warns(UserWarning, match="'inner' gets the exact GGN diagonal"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         factors = kfac(net, lik, x, chunk_size=3)
-    assert [b.kind for b in factors.blocks] == ["diagonal", "kron", "full"]
-    exact = exact_ggn(net, lik, x)
-    assert rel(factors.blocks[0].diagonal, block_of(exact, factors.blocks[0]).diagonal()) < 1e-10
+    assert [b.kind for b in factors.blocks] == ["kron", "full", "kron", "full"]
+    first = net.inner(x).detach()
+    inputs = torch.cat([x, torch.tanh(first)])  # the two calls' inputs
+    assert rel(factors.blocks[0].A, inputs.T @ inputs / len(x)) < 1e-12
+
+
+def test_a_layer_the_forward_does_not_call_gets_its_zero_diagonal():
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.spare = nn.Linear(3, 2), nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.used(x)
+
+    net = Unused().double()
+    with pytest.warns(UserWarning, match="'spare' gets the exact GGN diagonal.*not called"):
+        factors = kfac(net, likelihoods.Categorical(), torch.randn(5, 3, dtype=F64))
+    assert [b.kind for b in factors.blocks] == ["kron", "full", "diagonal"]
+    assert torch.equal(factors.blocks[2].diagonal, torch.zeros(12, dtype=F64))
 
 
 def test_float32_network_gives_float32_factors():

@@ -46,8 +46,15 @@ approximation ``Σ_{n,r,c} g gᵀ``, as in curvlinops. ``bias="augment"``: one b
 column); its dense order is row-major ``vec [W | b]``, mapped to the flat vector by
 `KronBlock.index`.
 
+A network that reshapes its batch (pairs ``(B, 2, d) → (2B, d)``, sets, tokens ``(B·L, d)``)
+gives a layer more rows than data points, and a layer applied twice sees two inputs: each
+call's rows are more rows of the sums, ``A = (1/N) Σ_calls Σ_rows a aᵀ / R`` and
+``G = Σ_calls Σ_rows g gᵀ`` (``N`` the data points, once), as curvlinops' hooks accumulate them
+(laplace-torch's ``KronLaplace``; `tests/test_reshaping_curvature.py` checks both that and the
+per-layer definition formed by brute force).
+
 Every other parameter in scope (BatchNorm, LayerNorm, Embedding, LSTM, a Linear/Conv2d whose
-parameters are shared or that is not called exactly once per forward, a grouped convolution)
+parameters are shared or that the forward does not call, a grouped convolution)
 gets the exact GGN diagonal (``kind="diagonal"``): ``Σ_n Σ_c ((L_nᵀ J_n)_{c,d})²`` from per-sample
 Jacobians of ``L_nᵀ f(x_n)`` with respect to only those parameters (``vmap`` over rows of
 ``jacrev``; row by row where ``vmap`` fails), in blocks of at most
@@ -439,26 +446,28 @@ def kfac(
                 chunk_size = _rows_per_pass(net, layers + local, xs, chunk_size)
             ycs = ys.split(chunk_size) if ys is not None else None
             for i, xc in enumerate(xs.split(chunk_size)):
-                if nhwc:  # channels last: the C backward passes' convolutions run faster on CPU
+                if nhwc and xc.dim() == 4:  # channels last: the C backward passes' convolutions run faster on CPU
                     xc = xc.contiguous(memory_format=torch.channels_last)
                 links: dict | None = {} if first and FOLD_BATCHNORM else None
                 out, seen = _hooked_forward(net, layers + local, xc, folds, links)
                 if first:
-                    layers = _settle(layers, seen, xc.shape[0], diagonal, diag_sums)
+                    layers = _settle(layers, seen, diagonal, diag_sums)
                     local = [m for m in local if _usable_local(m, seen[m.name], xc.shape[0])]
                     first = False
                     keep = {lay.name for lay in layers} | {m.name for m in local}
                     seen = {k: v for k, v in seen.items() if k in keep}
                     if links:  # the next chunks run each Conv2d + BatchNorm pair as one
-                        folds = _fold_pairs(layers, local, links, out)
+                        once = [lay for lay in layers if len(seen[lay.name]) == 1]
+                        folds = _fold_pairs(once, local, links, out)
                     links = None
-                _check_calls(layers, seen, xc.shape[0])
+                _check_calls(layers, seen)
                 out2 = as_2d(out)
                 if on_outputs is not None:
                     on_outputs(out2.detach(), None if ycs is None else ycs[i])
-                for lay in layers:
+                for lay in layers:  # every call's rows (a reshaped batch, a layer used twice)
                     if lay.weight is not None:
-                        lay.A = lay.A + _input_sum(lay, seen[lay.name][0][0], conv)
+                        for a, _ in seen[lay.name]:
+                            lay.A = lay.A + _input_sum(lay, a, conv)
                 # a layer whose output is the network's (J_z = I) gets G = Σ_n H_n directly:
                 # no backward pass, and no C·out² per row for a last layer of many classes
                 last = [lay for lay in layers if fisher == "type-2" and _is_output(lay, seen, out2)]
@@ -723,25 +732,33 @@ def _batchnorm_affine(bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, shift
 
 
-def _usable(lay: _Layer, calls: list, n: int) -> str | None:
-    """Why a layer's forward calls do not fit K-FAC (``None``: they do)."""
-    if len(calls) != 1:
-        return f"it was called {len(calls)} times in one forward pass"
-    a, z = calls[0]
-    if a is None:
-        return "its input or output is not a tensor"
-    if lay.conv and a.dim() != 4:
-        return f"its input has shape {tuple(a.shape)}, not (N, C, H, W)"
-    if a.dim() < 2 or a.shape[0] != n or z.shape[0] != n:
-        return f"its input {tuple(a.shape)} does not have the {n} rows of the chunk first"
+def _usable(lay: _Layer, calls: list) -> str | None:
+    """Why a layer's forward calls do not fit K-FAC (``None``: they do).
+
+    Every call on tensor inputs of rows ``(m, ..., in)`` (``(m, C, H, W)`` for a Conv2d) fits,
+    whatever ``m``: a network that reshapes its batch (pairs ``(B, 2, d) → (2B, d)``, sets,
+    tokens ``(B·L, d)``) gives a layer more rows than data points, and a layer applied twice
+    sees two inputs. As curvlinops' hooks (laplace-torch's default backend) do, each call's
+    rows are more rows of the sums: ``A = (1/N) Σ_calls Σ_rows a aᵀ / R`` and
+    ``G = Σ_calls Σ_rows g gᵀ`` (``R`` the shared dimensions of a row, ``"expand"``); the
+    network's ``N`` data points still count once."""
+    if not calls:
+        return "it was not called in the forward pass"
+    for a, _ in calls:
+        if a is None:
+            return "its input or output is not a tensor"
+        if lay.conv and a.dim() != 4:
+            return f"its input has shape {tuple(a.shape)}, not (N, C, H, W)"
+        if a.dim() < 2:
+            return f"its input {tuple(a.shape)} has no rows"
     return None
 
 
-def _settle(layers, seen, n, diagonal, diag_sums) -> list[_Layer]:
+def _settle(layers, seen, diagonal, diag_sums) -> list[_Layer]:
     """On the first chunk: layers whose calls do not fit K-FAC get the GGN diagonal (warned)."""
     kept = []
     for lay in layers:
-        why = _usable(lay, seen[lay.name], n)
+        why = _usable(lay, seen[lay.name])
         if why is None:
             kept.append(lay)
             continue
@@ -754,9 +771,9 @@ def _settle(layers, seen, n, diagonal, diag_sums) -> list[_Layer]:
     return kept
 
 
-def _check_calls(layers: list[_Layer], seen: dict, n: int) -> None:
+def _check_calls(layers: list[_Layer], seen: dict) -> None:
     for lay in layers:
-        why = _usable(lay, seen[lay.name], n)
+        why = _usable(lay, seen[lay.name])
         if why is not None:
             raise ValueError(
                 f"net: layer {lay.name!r} fitted K-FAC on the first chunk, not now: {why}"
@@ -990,7 +1007,9 @@ def _backward(
     (`_Fold`), so its sum is ``diag(s) (Σ g'ᵀg') diag(s)``."""
     if not layers and not local:
         return []
-    zs = [seen[lay.name][0][1] for lay in layers]
+    # every call's output: a layer applied twice sums the products of both calls
+    owner = [i for i, lay in enumerate(layers) for _ in seen[lay.name]]
+    zs = [z for lay in layers for _, z in seen[lay.name]]
     local_zs = [seen[m.name][0][1] for m in local]
     local_cols: list[list[torch.Tensor]] = [[] for _ in local]
     cols = factor.shape[-1]
@@ -1002,10 +1021,10 @@ def _backward(
         )  # fmt: skip
         for i, g in enumerate(grads[len(zs):]):
             local_cols[i].append(torch.zeros_like(local_zs[i]) if g is None else g.detach())
-        for i, (lay, g) in enumerate(zip(layers, grads[: len(zs)])):
-            if g is None:  # the layer does not reach the outputs
+        for i, g in zip(owner, grads[: len(zs)]):
+            if g is None:  # the call does not reach the outputs
                 continue
-            gram = _grad_gram(lay, g, conv)
+            gram = _grad_gram(layers[i], g, conv)
             chunk_sums[i] = gram if chunk_sums[i] is None else chunk_sums[i].add_(gram)
     for lay, total in zip(layers, chunk_sums):
         if total is not None:
@@ -1019,6 +1038,8 @@ def _backward(
 def _is_output(lay: _Layer, seen: dict, out2: torch.Tensor) -> bool:
     """The network's outputs are this Linear layer's (the clone its hook returned, possibly
     reshaped to 2-D): then ``∂f/∂z = I``."""
+    if len(seen[lay.name]) != 1:
+        return False
     z = seen[lay.name][0][1]
     fn = out2.grad_fn
     while fn is not None and type(fn).__name__ in ("ViewBackward0", "ReshapeAliasBackward0"):

@@ -56,6 +56,13 @@ NOT_THE_OUTPUT = (
 )
 
 
+def uses_features(sub: object, flat: FlatNet, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``sub`` is a last layer whose closed form holds on ``x`` (`LastLayerSubspace.closed_form`):
+    the callers that read its features (the linearised predictive, the grid sweep) ask this
+    instead of the subspace's type."""
+    return isinstance(sub, LastLayerSubspace) and sub.closed_form(flat, x, w)
+
+
 def _trailing_modules(net: nn.Module) -> list[nn.Module]:
     """The leaf modules a ``nn.Sequential`` network runs after its last parameterised leaf
     (recursing into nested ``nn.Sequential``); ``[]`` for any other network, whose forward order
@@ -117,6 +124,30 @@ class LastLayerSubspace(IndexSubspace):
         """The indices and their rows are fixed at construction (`transaction.REPLACED_ONLY`)."""
         return ("basis", "rows")
 
+    def closed_form(self, flat: FlatNet, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether the closed form ``f_n = W φ_n + b`` holds for this network on inputs like
+        ``x``: one forward pass over its first two rows, in which the last layer is called once
+        on ``(n, P)`` features and gives the network's ``(n, C)`` outputs, one row per data
+        point. A network that reshapes its batch (a scorer on pairs ``(B, 2, d) → (2B, d)``
+        whose ``(2B, 1)`` scores are read as ``(B, 2)``; a layer on ``(B·L, P)`` tokens) does
+        not: its last-layer Jacobian is then taken by the generic `IndexSubspace` route."""
+        if not isinstance(x, torch.Tensor) or x.shape[0] == 0:
+            return True
+        layer = flat.net.get_submodule(self.layer_name)
+        calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+        handle = layer.register_forward_hook(lambda m, inp, out: calls.append((inp[0], out)))
+        try:
+            with torch.no_grad(), eval_mode(flat.net):
+                xc = x[:2]
+                out = flat(w, xc)
+        finally:
+            handle.remove()
+        n = xc.shape[0]
+        if len(calls) != 1 or out.dim() not in (1, 2) or out.shape[0] != n:
+            return False
+        inp, layer_out = calls[0]
+        return inp.dim() == 2 and inp.shape[0] == n and layer_out.shape == as_2d(out).shape
+
     def feature_blocks(
         self, flat: FlatNet, x: torch.Tensor, w: torch.Tensor, chunk_size: int | None = 1024
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -132,6 +163,14 @@ class LastLayerSubspace(IndexSubspace):
                 for xc in x.split(chunk_size or 4096):
                     out = as_2d(flat(w, xc))
                     inp, layer_out = feats.pop()
+                    if len(feats) or inp.dim() != 2 or layer_out.shape != out.shape:
+                        raise ValueError(
+                            f"net: the last linear layer {self.layer_name!r} does not see one "
+                            f"row of features per data point (input {tuple(inp.shape)}, output "
+                            f"{tuple(layer_out.shape)} for outputs {tuple(out.shape)}): a network "
+                            "that reshapes its batch; check closed_form(...) first and take "
+                            "the IndexSubspace route (jacobian_blocks, ggn_sum do)"
+                        )
                     if layer_out.numel() != out.numel() or not torch.equal(
                         layer_out.reshape(out.shape), out
                     ):
@@ -147,7 +186,10 @@ class LastLayerSubspace(IndexSubspace):
             handle.remove()
 
     def jacobian_blocks(self, flat, x, w, chunk_size=1024, factor=None) -> Blocks:
-        """``J_n P`` from the features: ``(J P)_{c, rows[c, p]} = φ̃_p``, zero elsewhere."""
+        """``J_n P`` from the features: ``(J P)_{c, rows[c, p]} = φ̃_p``, zero elsewhere
+        (the generic `IndexSubspace` route where the closed form does not hold)."""
+        if not self.closed_form(flat, x, w):
+            return super().jacobian_blocks(flat, x, w, chunk_size, factor)
         return weighted(self._feature_jacobians(flat, x, w, chunk_size), factor)
 
     def ggn_sum(
@@ -157,7 +199,10 @@ class LastLayerSubspace(IndexSubspace):
         ``J`` is ``δ_cc' φ̃``): one ``(C²·P̃, n) × (n, P̃)`` product per chunk, ``C`` times fewer
         multiplications than ``Σ AᵀA`` over ``A = L_nᵀ J_n P`` ``(n·C, C·P̃)``; summed over the
         chunks in float64, returned in ``dtype`` (default ``total``'s, else ``w``'s). No
-        ``A`` is formed, so ``rows`` stays empty."""
+        ``A`` is formed, so ``rows`` stays empty. The generic `IndexSubspace` sum where the
+        closed form does not hold (`closed_form`)."""
+        if not self.closed_form(flat, x, w):
+            return super().ggn_sum(flat, x, w, chunk_size, factor, diagonal, total, dtype, rows)
         c, p = self.rows.shape
         g4 = None
         for out, phi in self.feature_blocks(flat, x, w, chunk_size):

@@ -21,6 +21,7 @@ import torch
 
 from ...data import as_tensors
 from ...flat import FlatNet
+from ...subspaces.last_layer import uses_features
 from ...validation import check_int
 
 #: The default grid of prior precisions, ``10^-4 … 10^4`` (33 values), for every posterior.
@@ -52,7 +53,7 @@ def grid_covariances(guide, x: torch.Tensor, chunk_size: int | None = None):
     chunk = guide.chunk_size if chunk_size is None else chunk_size
     w = sub.weights(guide.loc).detach()
     flat = FlatNet(model.flat.net, batch_strategy="loop")
-    features = hasattr(sub, "feature_blocks")
+    features = uses_features(sub, flat, x, w)
     blocks = list(
         sub.feature_blocks(flat, x, w, chunk) if features else sub.jacobian_blocks(flat, x, w, chunk)
     )

@@ -39,6 +39,7 @@ from torch import nn
 
 from ....flat import FlatNet, writable_buffers_
 from ....linalg import cholesky, logdet
+from ....subspaces.last_layer import uses_features
 
 
 class PriorPrecision(NamedTuple):
@@ -259,7 +260,7 @@ class Posterior(nn.Module, ABC):
         sub, dtype = model.subspace, self.buffer_dtype
         flat = FlatNet(model.flat.net, batch_strategy="loop")
         means, covs = [], []
-        if hasattr(sub, "feature_blocks"):  # a last layer: J from the penultimate features
+        if uses_features(sub, flat, x, w):  # a last layer: J from the penultimate features
             for out, phi in sub.feature_blocks(flat, x, w, chunk_size):
                 means.append(out.double())
                 covs.append(self.feature_covariance(phi.to(dtype), sub.rows, diagonal).double())

@@ -38,6 +38,7 @@ from ....curvature.kfac import KronFactors, conv_patches, kfac
 from ....flat import eval_mode, per_coordinate
 from ....linalg import eigh_
 from ....nn.evaluator import MapStatistics
+from ....subspaces.last_layer import LastLayerSubspace
 from ....validation import choice
 from .base import Posterior, PriorPrecision, check_positive
 
@@ -481,7 +482,7 @@ class KronPosterior(Posterior):
         blocks."""
         net = model.flat.net
         layers = self._linear_layers(net)
-        if layers is None or hasattr(model.subspace, "feature_blocks"):
+        if layers is None or isinstance(model.subspace, LastLayerSubspace):
             return super().linearized_outputs(model, x, w, chunk_size, diagonal)
         flat = model.flat
         w0 = flat.vector().detach().clone()
@@ -544,7 +545,8 @@ class KronPosterior(Posterior):
 
 def _layer_outputs(net, layers, x, post: KronPosterior, eig, diagonal: bool):
     """``f`` ``(n, O)`` and ``J Σ Jᵀ`` ``(n, O, O)`` float64 of one chunk (`linearized_outputs`),
-    or ``None`` if a layer was not called once on ``(n, in)`` inputs."""
+    or ``None`` if a layer was not called once on inputs of the chunk's ``n`` rows (``(n, in)``,
+    ``(n, C, H, W)``) giving ``n`` rows."""
     seen: dict[str, list] = {name: [] for name in layers}
 
     def hook(name):
@@ -567,9 +569,13 @@ def _layer_outputs(net, layers, x, post: KronPosterior, eig, diagonal: bool):
         name: 4 if isinstance(m, torch.nn.Conv2d) else 2 if isinstance(m, torch.nn.Linear) else None
         for name, (m, _) in layers.items()
     }
-    if f.dim() != 2 or any(
-        len(v) != 1 or (dims[k] is not None and v[0][0].dim() != dims[k]) for k, v in seen.items()
-    ):
+    if f.dim() != 2 or f.shape[0] != n or any(
+        len(v) != 1
+        or (dims[k] is not None and v[0][0].dim() != dims[k])
+        or v[0][0].shape[0] != n
+        or v[0][1].shape[0] != n
+        for k, v in seen.items()
+    ):  # a layer called twice, or seeing another number of rows than points (a reshaped batch)
         return None
     o = f.shape[1]
     zs = [seen[name][0][1] for name in layers]
