@@ -55,10 +55,17 @@ class FlatNet:
                 f"batch_strategy: expected 'auto', 'vmap' or 'loop', got {batch_strategy!r}"
             )
         self.batch_strategy = batch_strategy
-        params = list(net.named_parameters())
+        params = flat_parameters(net)
         if not params:
+            if any(True for _ in net.parameters()):
+                raise ValueError(
+                    "net: every parameter has requires_grad=False: no weights to infer (the "
+                    "flat vector holds the trainable ones); unfreeze those to infer, e.g. "
+                    "net[-1].requires_grad_(True)"
+                )
             raise ValueError("net: the network has no parameters")
         self.net = net
+        self.params = [p for _, p in params]
         self.names = [name for name, _ in params]
         self.shapes = [p.shape for _, p in params]
         self.numels = [p.numel() for _, p in params]
@@ -70,14 +77,15 @@ class FlatNet:
         self._modules_seen = list(net.modules()) if self._plain is not None else []
 
     def vector(self) -> torch.Tensor:
-        """The network's current weights as one detached vector, shape ``(D,)``."""
-        return nn.utils.parameters_to_vector(self.net.parameters()).detach().clone()
+        """The network's current trainable weights as one detached vector, shape ``(D,)``."""
+        return nn.utils.parameters_to_vector(self.params).detach().clone()
 
     def load_vector(self, w: torch.Tensor) -> None:
-        """Copy the flat weights ``w`` (shape ``(D,)``) into the network's parameters, in place."""
+        """Copy the flat weights ``w`` (shape ``(D,)``) into the network's trainable
+        parameters, in place (the frozen ones are not touched)."""
         self.check_weights(w, "w", batched=False)
         with torch.no_grad():
-            nn.utils.vector_to_parameters(w.detach().to(self.vector()), self.net.parameters())
+            nn.utils.vector_to_parameters(w.detach().to(self.vector()), self.params)
 
     def unflatten(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split ``w`` of shape ``(..., D)`` into ``{name: (..., *param.shape)}`` views."""
@@ -530,6 +538,44 @@ def writable_buffers_(module: nn.Module, names: Iterable[str]) -> None:
             module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=buf.device)
 
 
+def flat_parameters(net: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``[(name, parameter)]`` of the flat weight vector, in order: the parameters with
+    ``requires_grad``, in ``net.named_parameters()`` order (a shared one once).
+
+    The one rule of the library (DESIGN, conventions): every subspace, index, basis,
+    collector snapshot and ensemble member refers to positions in this vector. Frozen
+    weights (a pretrained base under a LoRA adapter) are read where the network uses them
+    and never copied, so memory follows the trainable weights. For a network with nothing
+    frozen this is ``parameters_to_vector(net.parameters())``'s order."""
+    return [(n, p) for n, p in net.named_parameters() if p.requires_grad]
+
+
+def flat_offsets(net: nn.Module) -> dict[str, tuple[int, int]]:
+    """``{parameter name: (start, stop)}`` of each trainable parameter in the flat vector
+    (`flat_parameters`)."""
+    out, start = {}, 0
+    for name, p in flat_parameters(net):
+        out[name] = (start, start + p.numel())
+        start += p.numel()
+    return out
+
+
+def check_saved_length(name: str, saved: object, want: int) -> None:
+    """A ``ValueError`` naming ``name`` when a saved flat vector ``(..., D')`` (a subspace's shift,
+    a collector's mean) does not have this network's ``D`` entries: a state saved for another
+    network, or, for a network with frozen weights, under the former convention in which the
+    flat vector held every parameter. Refused rather than misread (indices would point at
+    other weights)."""
+    if isinstance(saved, torch.Tensor) and saved.dim() >= 1 and saved.shape[-1] != want:
+        raise ValueError(
+            f"{name}: the saved state is for a flat vector of {saved.shape[-1]} weights, this "
+            f"network's holds {want} (its parameters with requires_grad, `flat_parameters`); a "
+            "state saved for another network, or for a network with frozen weights before the "
+            "flat vector held only the trainable ones, is refused rather than misread: rebuild "
+            "it from the network, freezing the same parameters as when it was saved"
+        )
+
+
 def num_weights(net: nn.Module) -> int:
-    """Length ``D`` of the flat weight vector of ``net``."""
-    return sum(math.prod(p.shape) for p in net.parameters())
+    """Length ``D`` of the flat weight vector of ``net`` (its trainable weights)."""
+    return sum(math.prod(p.shape) for _, p in flat_parameters(net))

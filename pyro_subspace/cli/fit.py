@@ -223,7 +223,7 @@ def _subspace(
     selection) / GGN-eigen / the last layer / all weights at the SWA mean."""
     if args.subspace == "pca":
         return subspaces.pca(collector, args.rank, seed=args.seed)
-    nn.utils.vector_to_parameters(collector.mean, net.parameters())
+    FlatNet(net).load_vector(collector.mean)
     if args.subspace == "last_layer":
         return subspaces.subnetwork(net, strategy="last_layer")
     if args.subspace == "all":

@@ -21,6 +21,7 @@ import time
 import torch
 
 from .. import likelihoods, metrics
+from ..flat import num_weights
 from ..infer import SWAG, DeepEnsemble, MixtureOfLaplace, MixturePredictor, train_ensemble
 from . import defaults, options, report
 
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
     t1 = time.perf_counter()
     predictor, name = _predictor(args, ens, data)
     t_infer = time.perf_counter() - t1
-    rank = sum(p.numel() for p in ens.nets[0].parameters())
+    rank = num_weights(ens.nets[0])
     if isinstance(predictor, MixtureOfLaplace):
         rank = predictor.members[0][0].rank
     rows = {

@@ -89,7 +89,7 @@ from torch.func import functional_call, vjp, vmap
 
 from .. import distributed, rng
 from ..data import DataSource
-from ..flat import eval_mode, hooked
+from ..flat import eval_mode, flat_parameters, hooked
 from ..likelihoods import Likelihood, check_likelihood
 from ..threads import thread_policy
 from ..validation import check_inputs, check_int, choice, positive_int
@@ -1116,7 +1116,7 @@ def _diagonal_sums(net, named, sums: dict, x: torch.Tensor, factor: torch.Tensor
 def _assemble(net, layers, diagonal, diag_sums, count, dtype, fisher, conv, bias) -> KronFactors:
     """The blocks from the reduced sums: ``A /= N``, flat positions, the requested dtype."""
     starts, offset = {}, 0
-    for p in net.parameters():
+    for _, p in flat_parameters(net):  # positions in the flat vector of trainable weights
         starts[id(p)] = offset
         offset += p.numel()
     pnames = {id(p): n for n, p in net.named_parameters()}

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..curvature.blocks import JacobianBlockSource
-from ..flat import FlatNet, flush_subnormal_
+from ..flat import FlatNet, check_saved_length, flush_subnormal_
 from ..curvature.gram import RootRows, gram_from_blocks
 from ..curvature.jacobians import Blocks, Factor, dense_jacobian_blocks, index_jacobian_blocks, weighted
 
@@ -105,6 +105,10 @@ class Subspace(nn.Module, JacobianBlockSource):
         # its directions (the toy benchmark's PCA basis: 18%), and every w = ŵ + P t and Pᵀ g
         # then runs many times more slowly; their values are below finfo.tiny
         flush_subnormal_(self.shift, self.basis)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # type: ignore[override]
+        check_saved_length("state_dict", state_dict.get(prefix + "shift"), self.shift.shape[0])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property
     def rank(self) -> int:

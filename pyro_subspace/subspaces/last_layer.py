@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..linalg import symmetrize_
-from ..flat import FlatNet, eval_mode
+from ..flat import FlatNet, eval_mode, flat_parameters
 from ..curvature.jacobians import Blocks, as_2d, weighted
 from .base import IndexSubspace
 
@@ -33,14 +33,20 @@ def find_last_layer(net: nn.Module) -> tuple[str, nn.Module]:
 
 
 def last_layer_indices(net: nn.Module) -> torch.Tensor:
-    """Flat indices (in ``parameters_to_vector`` order) of every parameter of `find_last_layer`."""
-    _, last = find_last_layer(net)
+    """Flat indices (in the flat vector of trainable weights, `flat.flat_parameters`) of every
+    parameter of `find_last_layer`; a ``ValueError`` when all of them are frozen."""
+    name, last = find_last_layer(net)
     own = [id(p) for p in last.parameters(recurse=False)]
     spans, offset = [], 0
-    for p in net.parameters():
+    for _, p in flat_parameters(net):
         if id(p) in own:
             spans.append(torch.arange(offset, offset + p.numel()))
         offset += p.numel()
+    if not spans:
+        raise ValueError(
+            f"net: the last layer {name!r} has requires_grad=False: no weights to infer; "
+            f"unfreeze it (net.get_submodule({name!r}).requires_grad_(True))"
+        )
     return torch.cat(spans)
 
 

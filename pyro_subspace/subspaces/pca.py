@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..validation import check_int
-from ..flat import FlatNet, flush_subnormal_
+from ..flat import FlatNet, check_saved_length, flush_subnormal_
 from .base import Subspace
 from .frequent_directions import FrequentDirections
 
@@ -87,6 +87,11 @@ class SWACollector(nn.Module):
         else:
             # slot i % M holds the i-th deviation (a ring); `deviations` reads them oldest first
             self.register_buffer("deviation_rows", w.new_zeros(max_snapshots, w.numel()))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # type: ignore[override]
+        want = self.running_mean.shape[0]
+        check_saved_length("state_dict", state_dict.get(prefix + "running_mean"), want)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property
     def n_collected(self) -> int:

@@ -15,7 +15,7 @@ the chosen flat positions, never stored as a dense ``(D, K)`` matrix, shifted at
 - ``"random"``: ``K`` weights uniformly at random (seeded; the paper's random baseline).
 - ``"last_layer"``: every parameter of the last module that has parameters (its weight and bias).
 - ``"names"``: every parameter whose name equals, or starts with ``"<name>."``, one of ``names``.
-- ``"indices"``: explicit flat positions in ``parameters_to_vector(net.parameters())``.
+- ``"indices"``: explicit positions in the flat vector of the trainable weights (`flat.flat_parameters`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import nn
 
 from .. import validation as ck
 from ..curvature import ggn_diagonal
-from ..flat import FlatNet
+from ..flat import FlatNet, flat_offsets
 from ..likelihoods import check_likelihood
 from .base import Subspace
 from .last_layer import LastLayerSubspace, find_last_layer, last_layer_indices
@@ -46,17 +46,8 @@ USES = {
 }
 
 
-def _offsets(net: nn.Module) -> dict[str, tuple[int, int]]:
-    """``{parameter name: (start, stop)}`` in the flat weight vector."""
-    out, start = {}, 0
-    for name, p in net.named_parameters():
-        out[name] = (start, start + p.numel())
-        start += p.numel()
-    return out
-
-
 def _positions(net: nn.Module, names: Sequence[str]) -> torch.Tensor:
-    spans = _offsets(net)
+    spans = flat_offsets(net)
     chosen = []
     for name in names:
         hits = [s for n, s in spans.items() if n == name or n.startswith(name + ".")]

@@ -18,7 +18,7 @@ from pyro.poutine.runtime import am_i_wrapped
 from torch import nn
 
 from ... import validation as ck
-from ...flat import FlatNet
+from ...flat import FlatNet, flat_parameters
 from ...linalg import gaussian_draws
 from ...likelihoods import Likelihood, check_likelihood, check_temperature
 from ...nn import SubspaceNet
@@ -36,16 +36,11 @@ SELECTION_KEYWORDS = ("x", "collector", "names", "indices", "seed")
 
 
 def all_weights(net: nn.Module) -> IndexSubspace:
-    """The subspace of every weight that requires grad: ``P = I_D`` as indices ``0 … D−1``
-    (without the positions of frozen parameters), shift the current weights (never a dense
-    ``(D, D)`` matrix)."""
-    w = FlatNet(net).vector()
-    trainable = torch.cat(
-        [torch.full((p.numel(),), p.requires_grad, device=w.device) for p in net.parameters()]
-    )
-    if not bool(trainable.any()):
-        raise ValueError("net: every parameter has requires_grad=False: no weights to infer")
-    return IndexSubspace(w, torch.nonzero(trainable)[:, 0])
+    """The subspace of every weight that requires grad: ``P = I_D`` as indices ``0 … D−1`` of
+    the flat vector (which holds the trainable weights only, `flat.flat_parameters`), shift
+    the current weights (never a dense ``(D, D)`` matrix)."""
+    w = FlatNet(net).vector()  # a ValueError naming requires_grad when everything is frozen
+    return IndexSubspace(w, torch.arange(w.numel(), device=w.device))
 
 
 def Laplace(
@@ -722,7 +717,7 @@ class ParameterGroups:
                 f"(an index subspace), not a {type(sub).__name__}"
             )
         owner, names, at = [], [], 0
-        for name, p in model.flat.net.named_parameters():
+        for name, p in flat_parameters(model.flat.net):
             owner.append(torch.full((p.numel(),), len(names)))
             names.append(name)
             at += p.numel()

@@ -35,7 +35,7 @@ import math
 import torch
 
 from ....curvature.kfac import KronFactors, conv_patches, kfac
-from ....flat import eval_mode, per_coordinate
+from ....flat import eval_mode, flat_parameters, per_coordinate
 from ....linalg import eigh_
 from ....nn.evaluator import MapStatistics
 from ....subspaces.last_layer import LastLayerSubspace
@@ -726,14 +726,15 @@ def _basis(sub) -> torch.Tensor:
 
 def _owning_modules(net: torch.nn.Module, basis: torch.Tensor) -> list[str]:
     """The names of the modules whose own parameters hold any of the flat indices ``basis``."""
-    hit = torch.zeros(sum(p.numel() for p in net.parameters()), dtype=torch.bool)
+    params = [p for _, p in flat_parameters(net)]
+    hit = torch.zeros(sum(p.numel() for p in params), dtype=torch.bool)
     hit[basis.cpu()] = True
     owners, at = [], 0
     seen: dict[int, str] = {}
     for name, module in net.named_modules():
         for p in module.parameters(recurse=False):
             seen.setdefault(id(p), name)
-    for p in net.parameters():
+    for p in params:
         if bool(hit[at : at + p.numel()].any()) and seen[id(p)] not in owners:
             owners.append(seen[id(p)])
         at += p.numel()
