@@ -3,7 +3,12 @@
 Every entry point that takes training data accepts ``(x, y)`` tensors, a
 ``torch.utils.data.Dataset`` of ``(x_n, y_n)`` pairs, or a ``DataLoader`` yielding ``(x, y)``
 batches; `DataSource` reads any of them chunk by chunk, so peak memory is bounded by the chunk
-(a ``DataLoader`` keeps its own batch size), never by ``N``.
+(a ``DataLoader`` keeps its own batch size), never by ``N``. Inputs may be a mapping of tensors
+(`batch`: a dict, a Hugging Face ``BatchEncoding``), and a loader may yield dict batches
+(``{"input_ids": ..., "attention_mask": ..., "labels": ...}``): the targets are the entry
+``dict_key_y``, the inputs every other entry (laplace-torch's ``dict_key_x``/``dict_key_y``).
+A loader's batches are taken as they come (batches of different padded lengths are never
+concatenated).
 
 Under ``torch.distributed`` (`distributed`) the source is this rank's shard: ``num_data`` is the
 total over the ranks and `reduce` sums a per-shard result over them (one ``all_reduce``).
@@ -17,25 +22,38 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from . import batch as batches
 from . import distributed
 from .validation import all_finite, positive_int  # all_finite: re-exported
+
+#: laplace-torch's default keys of a dict batch: the inputs' rows are counted in ``"input_ids"``
+DICT_KEY_X, DICT_KEY_Y = "input_ids", "labels"
 
 
 class DataSource:
     """Chunks ``(x_c, y_c)`` of a data set given as tensors, a ``Dataset`` or a ``DataLoader``.
 
     Args:
-        x: inputs ``(N, ...)``, a ``Dataset`` or a ``DataLoader`` (then ``y`` must be None).
+        x: inputs ``(N, ...)`` (a tensor or a mapping of tensors), a ``Dataset`` or a
+            ``DataLoader`` (then ``y`` must be None) of ``(x, y)`` pairs or dict batches.
         y: targets ``(N, ...)`` with tensor inputs, or None (inputs only).
         chunk_size: rows per chunk for tensors and datasets.
+        dict_key_y: the targets' key in a dict batch (the other entries are the inputs).
 
     ``num_data`` is ``N`` summed over the ranks of an active process group (`distributed`);
     ``local_num_data`` the rows of this rank's shard.
     """
 
-    def __init__(self, x: object, y: torch.Tensor | None = None, chunk_size: int = 4096) -> None:
+    def __init__(
+        self,
+        x: object,
+        y: torch.Tensor | None = None,
+        chunk_size: int = 4096,
+        dict_key_y: str = DICT_KEY_Y,
+    ) -> None:
         positive_int(chunk_size, "chunk_size")
         self.chunk_size = chunk_size
+        self.dict_key_y = dict_key_y
         if isinstance(x, (Dataset, DataLoader)):
             if y is not None:
                 raise ValueError("y: give either a Dataset/DataLoader or (x, y) tensors, not both")
@@ -44,24 +62,25 @@ class DataSource:
             self.local_num_data = _loader_rows(self.loader)
             self.sharded = distributed.active()
             return
-        if not isinstance(x, torch.Tensor):
+        if not isinstance(x, torch.Tensor) and not batches.is_mapping(x):
             raise TypeError(
-                f"x: expected a torch.Tensor (N, ...), a Dataset or a DataLoader, "
-                f"got {type(x).__name__}"
+                f"x: expected a torch.Tensor (N, ...), a mapping of tensors, a Dataset or a "
+                f"DataLoader, got {type(x).__name__}"
             )
-        if x.dim() == 0 or x.shape[0] == 0:
-            raise ValueError(f"x: expected at least one input row, got shape {tuple(x.shape)}")
-        if not all_finite(x):
+        x = batches.check(x, "x")
+        tensors = [x] if isinstance(x, torch.Tensor) else list(x.values())
+        if tensors[0].dim() == 0 or batches.rows(x) == 0:
+            raise ValueError(f"x: expected at least one input row, got shape {tuple(tensors[0].shape)}")
+        if not all_finite(*[t for t in tensors if t.is_floating_point()]):
             raise ValueError("x: contains NaN or inf")
+        n = batches.rows(x)
         if y is not None:
             if not isinstance(y, torch.Tensor):
                 raise TypeError(f"y: expected a torch.Tensor, got {type(y).__name__}")
-            if y.dim() == 0 or y.shape[0] != x.shape[0]:
-                raise ValueError(
-                    f"y: expected {x.shape[0]} targets to match x, got shape {tuple(y.shape)}"
-                )
+            if y.dim() == 0 or y.shape[0] != n:
+                raise ValueError(f"y: expected {n} targets to match x, got shape {tuple(y.shape)}")
         self.loader, self.x, self.y = None, x, y
-        self.local_num_data = x.shape[0]
+        self.local_num_data = n
         self.sharded = distributed.active()
 
     @property
@@ -82,24 +101,44 @@ class DataSource:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         if self.loader is None:
             ys = self.y.split(self.chunk_size) if self.y is not None else None
-            for i, xc in enumerate(self.x.split(self.chunk_size)):
+            for i, xc in enumerate(batches.split(self.x, self.chunk_size)):
                 yield xc, None if ys is None else ys[i]
             return
         # A DataLoader draws from torch's global generator when an iteration starts (its base
         # seed; a RandomSampler's seed): keep that stream untouched, so a sampler's draws do
         # not depend on whether the data come as tensors or from a loader.
         with torch.random.fork_rng(devices=[]):
-            batches = iter(self.loader)
-            first = next(batches, None)
-        for batch in itertools.chain([] if first is None else [first], batches):
-            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-                raise ValueError("x: the DataLoader must yield (x, y) batches")
-            yield batch[0], batch[1]
+            stream = iter(self.loader)
+            first = next(stream, None)
+        for batch in itertools.chain([] if first is None else [first], stream):
+            yield self.split_batch(batch)
+
+    def split_batch(self, batch: object) -> tuple[object, torch.Tensor | None]:
+        """``(x, y)`` of one of the loader's batches (`split_batch`)."""
+        return split_batch(batch, self.dict_key_y)
 
     def inputs(self) -> Iterator[torch.Tensor]:
         """The input chunks only."""
         for xc, _ in self:
             yield xc
+
+
+def split_batch(batch: object, dict_key_y: str = DICT_KEY_Y) -> tuple[object, torch.Tensor]:
+    """``(x, y)`` of a loader's batch: an ``(x, y)`` pair (``x`` a tensor or a mapping), or a
+    dict batch whose targets are ``batch[dict_key_y]`` and whose inputs are its other entries
+    (laplace-torch's ``dict_key_y``; the targets are not passed to the network)."""
+    if batches.is_mapping(batch):
+        if dict_key_y not in batch:
+            raise ValueError(
+                f"x: the DataLoader's dict batches have no targets under dict_key_y="
+                f"{dict_key_y!r} (keys {list(batch)}); pass dict_key_y= naming them"
+            )
+        x = {k: v for k, v in batch.items() if k != dict_key_y}
+        return batches.check(x, "x"), batch[dict_key_y]
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ValueError("x: the DataLoader must yield (x, y) pairs or dict batches")
+    x = batch[0] if isinstance(batch[0], torch.Tensor) else batches.check(batch[0], "x")
+    return x, batch[1]
 
 
 def as_tensors(
@@ -108,10 +147,10 @@ def as_tensors(
     """``(x, y)`` as tensors: unchanged when they are, else a ``Dataset``/``DataLoader`` of
     ``(x, y)`` read once, in its order, into memory (for what needs all rows at once: a
     Pyro model's trace, a validation set)."""
-    if isinstance(x, torch.Tensor):
+    if isinstance(x, torch.Tensor) or batches.is_mapping(x):
         return x, y
     pairs = list(DataSource(x, y))
-    return torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
+    return batches.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
 
 
 def check_batchnorm_loader(net: torch.nn.Module, loader: object) -> None:

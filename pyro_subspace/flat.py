@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
+from . import batch as batching
 from .validation import positive_int
 
 
@@ -110,17 +111,21 @@ class FlatNet:
 
         Args:
             w: flat weights, shape ``(D,)`` or ``(*batch, D)``.
-            x: inputs, shape ``(N, *in_shape)``, shared by every weight vector.
+            x: inputs, shape ``(N, *in_shape)`` or a mapping of such tensors (passed by
+                `batch.call_args`' rule), shared by every weight vector.
 
         Returns:
-            Outputs of shape ``(N, *out_shape)`` or ``(*batch, N, *out_shape)``.
+            Outputs of shape ``(N, *out_shape)`` or ``(*batch, N, *out_shape)`` (a tuple's first
+            element, a ``ModelOutput``'s ``logits``: `batch.output`).
 
         The network runs in whatever mode it is in (see `eval_mode`); a batch in training mode
         is evaluated vector by vector, as in `evaluate`.
         """
-        loop = self.batch_strategy == "loop" or (self.batch_strategy == "auto" and x.is_cpu)
+        on_cpu = batching.device_of(x).type == "cpu"
+        loop = self.batch_strategy == "loop" or (self.batch_strategy == "auto" and on_cpu)
         if (
-            self._plain is not None
+            isinstance(x, torch.Tensor)
+            and self._plain is not None
             and (w.dim() == 1 or (w.dim() == 2 and loop and w.shape[0] > 0))
             and (w.shape[-1] == self.num_weights)
         ):
@@ -167,11 +172,16 @@ class FlatNet:
         for name in buffers:
             if name not in own:
                 raise ValueError(f"buffers: the network has no buffer named {name!r}")
-        plain = self._plain is not None and not hooked(self._modules_seen)
+        plain = (
+            self._plain is not None
+            and isinstance(x, torch.Tensor)
+            and not hooked(self._modules_seen)
+        )
+        args, kwargs = batching.call_args(self.net, x)
         if not batch:
             if plain:
                 return self._plain_forward(params, x)
-            return functional_call(self.net, {**params, **buffers}, (x,))
+            return batching.output(functional_call(self.net, {**params, **buffers}, args, kwargs))
         per_draw = {k: v for k, v in buffers.items() if v.dim() > own[k].dim()}
         shared = {k: v for k, v in buffers.items() if k not in per_draw}
         size = math.prod(batch)
@@ -181,11 +191,11 @@ class FlatNet:
         def one(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
             if plain:
                 return self._plain_forward(p, x)
-            return functional_call(self.net, {**p, **b, **shared}, (x,))
+            return batching.output(functional_call(self.net, {**p, **b, **shared}, args, kwargs))
 
         strategy = self.batch_strategy
         if strategy == "auto":
-            strategy = "loop" if x.device.type == "cpu" else "vmap"
+            strategy = "loop" if batching.device_of(x).type == "cpu" else "vmap"
         out = None
         if strategy == "vmap" and not self.net.training:
             try:
@@ -269,8 +279,8 @@ class FlatNet:
         if not bn:
             return
         params = self.unflatten(w) if isinstance(w, torch.Tensor) else dict(w)
-        if isinstance(x, torch.Tensor):
-            x = x.split(x.shape[0] if chunk_size is None else chunk_size)
+        if isinstance(x, torch.Tensor) or batching.is_mapping(x):
+            x = batching.split(x, batching.rows(x) if chunk_size is None else chunk_size)
         momenta = [m.momentum for m in bn]
         with torch.no_grad(), train_mode(self.net):
             try:
@@ -278,9 +288,9 @@ class FlatNet:
                     m.reset_running_stats()
                 seen = 0
                 for chunk in x:
-                    seen += chunk.shape[0]
+                    seen += batching.rows(chunk)
                     for m in bn:  # a cumulative average over the chunks, weighted by size
-                        m.momentum = chunk.shape[0] / seen
+                        m.momentum = batching.rows(chunk) / seen
                     self.evaluate(params, chunk)
             finally:
                 for m, momentum in zip(bn, momenta, strict=True):
@@ -293,11 +303,11 @@ class FlatNet:
         dimension, shape ``(*batch, N, *out_shape)``.
         """
         positive_int(chunk_size, "chunk_size")
-        n = x.shape[0]
+        n = batching.rows(x)
         if n <= chunk_size:
             return self(w, x)
         dim = w.dim() - 1
-        parts = [self(w, x[i : i + chunk_size]) for i in range(0, n, chunk_size)]
+        parts = [self(w, batching.take(x, slice(i, i + chunk_size))) for i in range(0, n, chunk_size)]
         return torch.cat(parts, dim=dim)
 
 

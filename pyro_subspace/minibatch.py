@@ -22,8 +22,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from . import batch as batching
 from . import distributed
 from .exceptions import TrainingDivergedError
+from .data import split_batch
 from .flat import flush_subnormal_
 
 EPOCH_LOSSES = ("points", "batches")
@@ -328,9 +330,10 @@ def loader_loop(
         if hasattr(loader.sampler, "set_epoch"):
             loader.sampler.set_epoch(offset + epoch)
         total, count, steps_taken = 0.0, 0, 0
+        pairs = (split_batch(batch) for batch in loader)  # (x, y) pairs or dict batches
         for value, rows in take_steps(
-            lambda batch: batch_loss(*batch), loader, lambda batch: len(batch[0]), optimizer,
-            epoch=epoch, desc=desc, data_parallel=True,
+            lambda pair: batch_loss(*pair), pairs, lambda pair: batching.rows(pair[0]),
+            optimizer, epoch=epoch, desc=desc, data_parallel=True,
         ):  # fmt: skip
             total, count, steps_taken = total + value * rows, count + rows, steps_taken + 1
         _check_trained(count, epoch, desc, argument="x")

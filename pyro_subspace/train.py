@@ -7,6 +7,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from . import validation as ck
+from . import batch as batching
 from . import distributed
 from .data import check_batchnorm_loader
 from .exceptions import TrainingDivergedError
@@ -105,7 +106,7 @@ def fit_map(
     ck.choice(optimizer, "optimizer", ("adam", "sgd"))
     streamed = isinstance(x, (Dataset, DataLoader))
     batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
-    rows = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else None
+    rows = batching.rows_or_none(x)  # in-memory inputs (a tensor or a mapping), before checks
     if batchnorm and batch_size == 1 and rows is not None and rows > 1 and epochs + swa_epochs:
         raise ValueError(  # before any forward pass: every minibatch would be skipped
             "batch_size: minibatches of 1 are all skipped with BatchNorm in training mode "
@@ -126,7 +127,8 @@ def fit_map(
             raise ValueError("collector: was built on a different network than net")
     if not streamed:
         with torch.no_grad(), eval_mode(net):
-            probe = net(x[:1])  # only the output width is needed to check the targets
+            # only the output width is needed to check the targets
+            probe = batching.call(net, batching.take(x, slice(0, 1)))
         probe = probe.unsqueeze(-1) if probe.dim() == 1 else probe
         y = likelihood.validate(probe.new_zeros(n, *probe.shape[1:]), y)
 
@@ -151,7 +153,7 @@ def fit_map(
     def batch_loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         # per step only the step: tensor targets were validated once above (a stream's per
         # batch), and non-finite outputs make a non-finite loss, which take_steps reports
-        out = net(xb)
+        out = batching.call(net, xb)  # a mapping by `batch`'s rule; a ModelOutput's logits
         out = out.unsqueeze(-1) if out.dim() == 1 else out
         return likelihood.training_loss(out, likelihood.validate(out, yb) if streamed else yb)
 
@@ -192,12 +194,14 @@ def fit_map(
                 lambda xb, yb: batch_loss(xb, yb), loader, epochs, opt, checkpoint, desc, offset
             )
     else:
-        loop = dict(batch_size=batch_size, generator=gen, device=x.device, progress=progress)
+        loop = dict(
+            batch_size=batch_size, generator=gen, device=batching.device_of(x), progress=progress
+        )
         loop["min_batch_size"] = 2 if batchnorm else 1
 
         def phase(epochs: int, opt: torch.optim.Optimizer, desc: str) -> list[float]:
             return minibatch_loop(
-                lambda idx: batch_loss(x[idx], y[idx]), n, epochs=epochs, optimizer=opt,
+                lambda idx: batch_loss(batching.take(x, idx), y[idx]), n, epochs=epochs, optimizer=opt,
                 on_epoch=checkpoint, desc=desc, data_parallel=True, **loop,
             )  # fmt: skip
 

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import batch
+
 # ------------------------------------------------------------------------------------ scalars
 
 
@@ -374,10 +376,27 @@ def check_inputs(
 
     Raises ``TypeError`` for a non-tensor or a dtype the network cannot take and ``ValueError``
     for an empty or non-finite ``x``, another device, or a width/ndim the network does not take.
+    A mapping of tensors (`batch`: a dict, a ``BatchEncoding``) is checked entry by entry (rows,
+    finiteness, device); its shapes are the network's to interpret.
     """
+    if batch.is_mapping(x):
+        entries = batch.check(x, name)
+        n = batch.rows(entries)
+        if n == 0:
+            raise ValueError(f"{name}: expected at least one input row, got none")
+        spec = net_spec(net) if net is not None and spec is None else spec
+        for key, value in entries.items():
+            check_inputs(None, value, f"{name}[{key!r}]")
+            if spec is not None and spec.device is not None and value.device != spec.device:
+                raise ValueError(
+                    f"{name}[{key!r}]: is on {value.device} but the network is on "
+                    f"{spec.device}; move the inputs with .to({str(spec.device)!r})"
+                )
+        return n
     if not isinstance(x, torch.Tensor):
         raise TypeError(
-            f"{name}: expected a torch.Tensor of shape (N, ...), got {type(x).__name__}"
+            f"{name}: expected a torch.Tensor of shape (N, ...) or a mapping of such tensors, "
+            f"got {type(x).__name__}"
         )
     if x.dim() == 0 or x.shape[0] == 0:
         raise ValueError(

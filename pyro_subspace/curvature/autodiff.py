@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.func import jacrev, jvp, vmap
 
+from .. import batch as batching
+
 #: The strategy that worked, per network: "forward", "plain-forward" or "double-backward".
 _STRATEGY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 STRATEGIES = ("forward", "plain-forward", "double-backward")
@@ -117,4 +119,4 @@ def per_sample_jacobians_rowwise(one: Callable, theta: torch.Tensor, x: torch.Te
     """``∂one(θ, x_n)/∂θ`` for every row, stacked ``(n, O, len(θ))``: ``jacrev`` row by row
     (the fallback when ``vmap`` over rows fails, e.g. RNNs), under `plain_kernels`."""
     with plain_kernels():
-        return torch.stack([jacrev(one)(theta, xn) for xn in x])
+        return torch.stack([jacrev(one)(theta, xn) for xn in batching.each_row(x)])

@@ -26,6 +26,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import nn
 from torch.func import vjp, vmap
 
+from .. import batch as batching
 from .. import distributed
 from .autodiff import jvp_any, jvps, strategy_of
 from ..data import DataSource
@@ -53,9 +54,11 @@ def _setup(
     flat = FlatNet(net, batch_strategy="loop")
     if likelihood is not None:
         check_likelihood(likelihood)
-    if not isinstance(x, torch.Tensor):
+    if batching.is_mapping(x):
+        DataSource(x)  # a mapping of tensors: checked as one (rows, NaN)
+    elif not isinstance(x, torch.Tensor):
         DataSource(x)  # a Dataset or DataLoader, else a TypeError naming x
-    elif x.dim() == 0 or x.shape[0] == 0:
+    elif x.dim() == 0 or batching.rows(x) == 0:
         raise ValueError(f"x: expected at least one input row, got shape {tuple(x.shape)}")
     elif x.is_floating_point() and not torch.isfinite(x).all():
         raise ValueError("x: contains NaN or inf")
@@ -67,9 +70,10 @@ def _setup(
 
 
 def _inputs(x: object, chunk_size: int | None) -> Iterator[torch.Tensor]:
-    """The input tensor itself (the callers chunk it), or the chunks of a Dataset/DataLoader."""
-    if isinstance(x, torch.Tensor):
-        yield x
+    """The inputs themselves (a tensor or a mapping: the callers chunk them), or the chunks of
+    a Dataset/DataLoader."""
+    if isinstance(x, torch.Tensor) or batching.is_mapping(x):
+        yield batching.check(x)
     else:
         yield from DataSource(x, None, chunk_size or 1024).inputs()
 
@@ -110,7 +114,7 @@ def ggn_vector_product(
     v = v.detach().to(w)
     total = torch.zeros_like(w)
     with eval_mode(net):
-        for xc in (c for xs in _inputs(x, chunk_size) for c in xs.split(chunk_size)):
+        for xc in (c for xs in _inputs(x, chunk_size) for c in batching.split(xs, chunk_size)):
 
             def f(wv: torch.Tensor, xc: torch.Tensor = xc) -> torch.Tensor:
                 return flat(wv, xc)
@@ -183,7 +187,7 @@ def ggn_matrix_product(
     tangents = v.detach().to(w).T.contiguous()  # (b, D)
     total = torch.zeros_like(tangents)
     with eval_mode(net):
-        for xc in (c for xs in _inputs(x, chunk_size) for c in xs.split(chunk_size)):
+        for xc in (c for xs in _inputs(x, chunk_size) for c in batching.split(xs, chunk_size)):
 
             def f(wv: torch.Tensor, xc: torch.Tensor = xc) -> torch.Tensor:
                 return flat(wv, xc)

@@ -57,6 +57,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from .. import batch as batching
 from .. import distributed
 from .autodiff import plain_kernels, strategy_of
 from ..flat import eval_mode
@@ -143,7 +144,8 @@ class GGNOperator:
         self._graphs: list[tuple] = []  # (x rows, w leaf, out, u, g = Jᵀu, H) per cached part
         self._rest: list[torch.Tensor] = []  # rows not cached
         # storage the caller (or this operator) holds anyway: not counted as cached
-        held = [w, *net.parameters(), *net.buffers()] + ([x] if isinstance(x, torch.Tensor) else [])
+        given = [x] if isinstance(x, torch.Tensor) else list(x.values()) if batching.is_mapping(x) else []
+        held = [w, *net.parameters(), *net.buffers(), *given]
         self._held = {t.untyped_storage().data_ptr() for t in held}
         # fused kernels (mkldnn RNNs, the attention fast path) have no double backward
         self._plain = strategy_of(net) not in (None, "forward")
@@ -152,8 +154,8 @@ class GGNOperator:
         model = None  # (fixed bytes, bytes per row) of a graph, from the probes
         caching = cache is not False
         with eval_mode(net):
-            for xc in (c for xs in _inputs(x, chunk_size) for c in xs.split(chunk_size)):
-                n = xc.shape[0]
+            for xc in (c for xs in _inputs(x, chunk_size) for c in batching.split(xs, chunk_size)):
+                n = batching.rows(xc)
                 self.total_rows += n
                 if caching and model is None:
                     model = self._probe(flat, xc, cache)
@@ -198,7 +200,7 @@ class GGNOperator:
         rule and return ``(fixed bytes, bytes per row)``; None if nothing is to be cached (a
         convolution under ``cache=None``) or no graph can be built."""
         sizes = []
-        for rows in sorted({min(r, xc.shape[0]) for r in PROBE_ROWS}):
+        for rows in sorted({min(r, batching.rows(xc)) for r in PROBE_ROWS}):
             built = self._try_build(flat, xc[:rows])
             if built is None:
                 self.cache, self.reason = False, "no double backward: every product stateless"

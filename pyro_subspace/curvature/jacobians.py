@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.func import jacrev, vmap
 
+from .. import batch as batching
 from .autodiff import jvps, per_sample_jacobians_rowwise, plain_kernels
 from ..flat import FlatNet, eval_mode
 
@@ -80,16 +81,16 @@ def selected_jacobians(flat: FlatNet, w: torch.Tensor, idx: torch.Tensor):
     sub = {name: params[name] for name in touched}
 
     def one(p: dict, xn: torch.Tensor) -> torch.Tensor:
-        return flat.evaluate({**params, **p}, xn.unsqueeze(0)).reshape(-1)
+        return flat.evaluate({**params, **p}, batching.unsqueeze(xn)).reshape(-1)
 
     def jac(x: torch.Tensor) -> torch.Tensor:
         try:
             parts = vmap(jacrev(one), in_dims=(None, 0))(sub, x)
         except (RuntimeError, NotImplementedError):  # e.g. RNNs under vmap: row by row
             with plain_kernels():
-                per_row = [jacrev(one)(sub, xn) for xn in x]
+                per_row = [jacrev(one)(sub, xn) for xn in batching.each_row(x)]
             parts = {k: torch.stack([r[k] for r in per_row]) for k in sub}
-        n, o = x.shape[0], next(iter(parts.values())).shape[1]
+        n, o = batching.rows(x), next(iter(parts.values())).shape[1]
         out = w.new_empty(n, o, idx.numel())
         for name, (pos, local) in touched.items():
             out[..., pos] = parts[name].reshape(n, o, -1)[..., local]
@@ -102,7 +103,7 @@ def per_sample_jacobians(fn: Callable, theta: torch.Tensor, x: torch.Tensor) -> 
     """``∂f(x_n)/∂θ`` for every row, shape ``(n, O, len(θ))`` (``vmap`` of ``jacrev``)."""
 
     def one(th: torch.Tensor, xn: torch.Tensor) -> torch.Tensor:
-        return fn(th, xn.unsqueeze(0)).reshape(-1)
+        return fn(th, batching.unsqueeze(xn)).reshape(-1)
 
     try:
         return vmap(jacrev(one), in_dims=(None, 0))(theta, x)
@@ -113,7 +114,7 @@ def per_sample_jacobians(fn: Callable, theta: torch.Tensor, x: torch.Tensor) -> 
 def block_rows(fn: Callable, theta: torch.Tensor, x: torch.Tensor, chunk_size: int | None) -> int:
     """Rows per block so that ``rows·O·len(θ) <= MAX_JACOBIAN_NUMBERS`` (and ``<= chunk_size``)."""
     with torch.no_grad():
-        o = as_2d(fn(theta, x[:1])).shape[1]
+        o = as_2d(fn(theta, batching.take(x, slice(0, 1)))).shape[1]
     rows = max(1, MAX_JACOBIAN_NUMBERS // (o * theta.numel()))
     return min(rows, chunk_size) if chunk_size is not None else rows
 
@@ -188,7 +189,7 @@ def linear_index_jacobians(
             h.remove()
     out2 = as_2d(out)
     n, o = out2.shape
-    if n != x.shape[0] or not all(_one_row_per_point(v, n) for v in seen.values()):
+    if n != batching.rows(x) or not all(_one_row_per_point(v, n) for v in seen.values()):
         return None
     zs = [seen[name][0][1] for name in plan]
     if factor is None:
@@ -262,17 +263,17 @@ def index_jacobian_blocks(
     with eval_mode(flat.net):
         generic = selected_jacobians(flat, w, idx[rest]) if rest.numel() else None
         with torch.no_grad():
-            o = as_2d(flat(w, x[:1])).shape[1]
+            o = as_2d(flat(w, batching.take(x, slice(0, 1)))).shape[1]
         width = idx.numel() + (generic[0] if generic else 0)
         budget = min(MAX_JACOBIAN_NUMBERS // width, INDEX_JACOBIAN_NUMBERS // idx.numel())
         rows = max(1, budget // o)
         rows = min(rows, chunk_size) if chunk_size is not None else rows
         in_order = generic is None and torch.equal(lin_pos, torch.arange(idx.numel()).to(lin_pos))
-        for start in range(0, x.shape[0], rows):
-            xc = x[start : start + rows]
+        for start in range(0, batching.rows(x), rows):
+            xc = batching.take(x, slice(start, start + rows))
             fast = linear_index_jacobians(flat, plan, w, xc, factor)
             if fast is None:  # this net's forward does not fit the fast path
-                rest_x = _generic_index_blocks(flat, x[start:], idx, chunk_size, w)
+                rest_x = _generic_index_blocks(flat, batching.take(x, slice(start, None)), idx, chunk_size, w)
                 yield from weighted(rest_x, factor)
                 return
             out, cols = fast  # shape: (k_lin, C, n)
@@ -295,9 +296,9 @@ def _generic_index_blocks(
     with eval_mode(flat.net):
         d_t, jac = selected_jacobians(flat, w, idx)
         with torch.no_grad():
-            o = as_2d(flat(w, x[:1])).shape[1]
+            o = as_2d(flat(w, batching.take(x, slice(0, 1)))).shape[1]
         rows = max(1, MAX_JACOBIAN_NUMBERS // (o * d_t))
-        for xc in x.split(min(rows, chunk_size) if chunk_size is not None else rows):
+        for xc in batching.split(x, min(rows, chunk_size) if chunk_size is not None else rows):
             block = jac(xc)  # shape: (n, O, K)
             with torch.no_grad():
                 out = as_2d(flat(w, xc))
@@ -312,7 +313,7 @@ def dense_jacobian_blocks(
     k = basis.shape[1]
     tangents = basis.T.to(w)  # shape: (K, D)
     with eval_mode(flat.net):
-        for xc in x.split(chunk_size or 1024):
+        for xc in batching.split(x, chunk_size or 1024):
 
             def f(wv: torch.Tensor, xc: torch.Tensor = xc) -> torch.Tensor:
                 return flat(wv, xc)
@@ -328,7 +329,7 @@ def full_jacobian_blocks(
     """``(outputs (n, O), ∂f/∂w (n, O, D))`` per block of at most ``chunk_size`` and
     ``MAX_JACOBIAN_NUMBERS // (O·D)`` rows; memory about twice one block."""
     with eval_mode(flat.net):
-        for xc in x.split(block_rows(flat, w, x, chunk_size)):
+        for xc in batching.split(x, block_rows(flat, w, x, chunk_size)):
             jac = per_sample_jacobians(flat, w, xc)  # shape: (n, O, D)
             with torch.no_grad():
                 out = as_2d(flat(w, xc))
@@ -360,13 +361,13 @@ def factored_square_sums(
     sums = {name: torch.zeros_like(p) for name, p in params.items()}
 
     def one(p: dict, xn: torch.Tensor, ln: torch.Tensor) -> torch.Tensor:
-        return ln.T @ flat.evaluate(p, xn.unsqueeze(0)).reshape(-1)  # shape: (C,)
+        return ln.T @ flat.evaluate(p, batching.unsqueeze(xn)).reshape(-1)  # shape: (C,)
 
     with eval_mode(flat.net):
         with torch.no_grad():  # C from the first row's factor
-            c = factor(as_2d(flat(w, x[:1]))).shape[-1]
+            c = factor(as_2d(flat(w, batching.take(x, slice(0, 1))))).shape[-1]
         rows = max(1, SQUARE_SUM_NUMBERS // (c * w.numel()))
-        for xc in x.split(min(rows, chunk_size) if chunk_size is not None else rows):
+        for xc in batching.split(x, min(rows, chunk_size) if chunk_size is not None else rows):
             with torch.no_grad():
                 lc = factor(as_2d(flat(w, xc))).to(w)  # shape: (n, O, C)
             add_row_jacobian_squares(one, params, xc, lc, sums)
@@ -382,7 +383,7 @@ def add_row_jacobian_squares(one: Callable, params: dict, x, factor, sums: dict)
         jac = vmap(jacrev(one), in_dims=(None, 0, 0))(params, x, factor)
     except (RuntimeError, NotImplementedError):  # e.g. RNNs under vmap: row by row
         with plain_kernels():
-            per_row = [jacrev(one)(params, xn, ln) for xn, ln in zip(x, factor)]
+            per_row = [jacrev(one)(params, xn, ln) for xn, ln in zip(batching.each_row(x), factor)]
         jac = {k: torch.stack([r[k] for r in per_row]) for k in params}
     for name, j in jac.items():
         sums[name] = sums[name] + j.detach().square().sum((0, 1)).to(sums[name].dtype)

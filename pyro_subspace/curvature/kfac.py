@@ -32,6 +32,10 @@ inputs ``(N, ..., in)``: ``R`` = the product of the middle dimensions) follows E
   which is neither of the two: ``G`` as in ``"reduce"`` and ``A = (1/N) Σ_{n,r} a_{n,r} a_{n,r}ᵀ``
   (``R`` times ``"expand"``'s ``A``; BackPack's ``HBPConvNd`` docstring notes the factor ``R``).
 
+GPT-2's ``Conv1D`` (``transformers``: ``z = a W + b`` with ``W`` ``(in, out)``) is a Linear
+with its weight transposed: the same factors, its block's rows ``vec Wᵀ`` mapped to the flat
+positions of ``W`` (`KronBlock.index`); checked against curvlinops on the ``nn.Linear`` twin.
+
 For layers without weight sharing (an MLP) the three coincide, and equal both laplace-torch
 backends. laplace-torch's ``KronLaplace.fit`` accumulates per batch ``G_b`` and
 ``A_b · M_b/N`` (``A_b`` the batch mean) and adds factor by factor, so for the type-2 Fisher its
@@ -87,6 +91,7 @@ from torch import nn
 from torch.distributions import Bernoulli, Categorical, Independent, Normal
 from torch.func import functional_call, vjp, vmap
 
+from .. import batch as batching
 from .. import distributed, rng
 from ..data import DataSource
 from ..flat import eval_mode, flat_parameters, hooked
@@ -238,8 +243,19 @@ class KronFactors:
         return out
 
 
+def is_conv1d(m: nn.Module) -> bool:
+    """GPT-2's ``Conv1D`` (``transformers.pytorch_utils``, recognised without importing
+    transformers): ``z = a W + b`` with ``W`` ``(nx, nf)``, a Linear with the weight transposed."""
+    return (
+        type(m).__name__ == "Conv1D"
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+        and m.weight.dim() == 2
+        and tuple(m.weight.shape) == (getattr(m, "nx", None), getattr(m, "nf", None))
+    )
+
+
 class _Layer:
-    """A Linear or Conv2d handled by K-FAC, and its running float64 sums."""
+    """A Linear (or GPT-2's Conv1D) or Conv2d handled by K-FAC, and its running float64 sums."""
 
     def __init__(self, name: str, module: nn.Module, weight, bias, augment: bool, pnames) -> None:
         self.name, self.module = name, module
@@ -247,6 +263,8 @@ class _Layer:
         #: names of the covered parameters, weight first
         self.names = [pnames[id(p)] for p in (weight, bias) if p is not None]
         self.conv = isinstance(module, nn.Conv2d)
+        #: GPT-2's Conv1D: ``W`` is stored ``(in, out)``, its block's rows are ``vec Wᵀ``
+        self.transposed = is_conv1d(module)
         self.augment = augment and weight is not None and bias is not None
         self.A: torch.Tensor | float = 0.0  # Σ over the chunks of `_input_sum`, float64
         self.G: torch.Tensor | None = None  # Σ gᵀg, float64
@@ -303,7 +321,7 @@ def _plan(net: nn.Module, roots: list[nn.Module], augment: bool):
             continue
         taken.update(id(p) for p in own)
         kron = (
-            isinstance(m, (nn.Linear, nn.Conv2d))
+            (isinstance(m, (nn.Linear, nn.Conv2d)) or is_conv1d(m))
             and (not isinstance(m, nn.Conv2d) or m.groups == 1)
             and all(owners[id(p)] == 1 for p in m.parameters(recurse=False))
         )
@@ -419,7 +437,7 @@ def kfac(
         raise TypeError(f"dtype: expected a floating-point torch.dtype or None, got {dtype!r}")
     device = params[0].device
     gen = _check_generator(generator, device) if fisher == "mc" else None
-    if isinstance(x, torch.Tensor):
+    if isinstance(x, torch.Tensor) or batching.is_mapping(x):
         check_inputs(net, x, "x")
     source = DataSource(x, y, chunk_size)  # a Dataset/DataLoader, else a TypeError naming x
     layers, diagonal = _plan(net, _check_modules(net, modules), bias == "augment")
@@ -441,18 +459,18 @@ def kfac(
     )
     with eval_mode(net), torch.enable_grad():
         for xs, ys in source:
-            xs = xs.to(device)
-            if first and xs.shape[0]:  # the chunk, or fewer rows where a layer's output is large
+            xs = batching.to_device(xs, device)
+            if first and batching.rows(xs):  # the chunk, or fewer rows where a layer's output is large
                 chunk_size = _rows_per_pass(net, layers + local, xs, chunk_size)
             ycs = ys.split(chunk_size) if ys is not None else None
-            for i, xc in enumerate(xs.split(chunk_size)):
-                if nhwc and xc.dim() == 4:  # channels last: the C backward passes' convolutions run faster on CPU
+            for i, xc in enumerate(batching.split(xs, chunk_size)):
+                if nhwc and isinstance(xc, torch.Tensor) and xc.dim() == 4:  # channels last: the C backward passes' convolutions run faster on CPU
                     xc = xc.contiguous(memory_format=torch.channels_last)
                 links: dict | None = {} if first and FOLD_BATCHNORM else None
                 out, seen = _hooked_forward(net, layers + local, xc, folds, links)
                 if first:
                     layers = _settle(layers, seen, diagonal, diag_sums)
-                    local = [m for m in local if _usable_local(m, seen[m.name], xc.shape[0])]
+                    local = [m for m in local if _usable_local(m, seen[m.name], batching.rows(xc))]
                     first = False
                     keep = {lay.name for lay in layers} | {m.name for m in local}
                     seen = {k: v for k, v in seen.items() if k in keep}
@@ -496,7 +514,7 @@ def kfac(
                 for f in folds.values():
                     f.pre = f.scale = None
                 del out, seen
-                count += xc.shape[0]
+                count += batching.rows(xc)
 
     _fill_zeros(layers, diag_sums, named, device)  # a shard without rows adds zeros
     # one all_reduce over the ranks for every sum (float64)
@@ -517,10 +535,10 @@ def _fill_zeros(layers: list[_Layer], diag_sums: dict, named: dict, device) -> N
     for lay in layers:
         m = lay.module
         if lay.G is None:
-            q = m.out_channels if lay.conv else m.out_features
+            q = m.out_channels if lay.conv else m.nf if lay.transposed else m.out_features
             lay.G = torch.zeros(q, q, dtype=torch.float64, device=device)
         if lay.weight is not None and not isinstance(lay.A, torch.Tensor):
-            p = m.in_channels * math.prod(m.kernel_size) if lay.conv else m.in_features
+            p = m.in_channels * math.prod(m.kernel_size) if lay.conv else m.nx if lay.transposed else m.in_features
             p += int(lay.augment)
             lay.A = torch.zeros(p, p, dtype=torch.float64, device=device)
     for name, value in diag_sums.items():
@@ -573,7 +591,7 @@ def _hooked_forward(
     try:
         for f in folds.values():  # instance attributes: the classes' forward is untouched
             f.conv.forward, f.bn.forward = f.forward, _identity
-        out = net(x)
+        out = batching.call(net, x)  # a mapping by `batch`'s rule; a ModelOutput's logits
     finally:
         for f in folds.values():
             del f.conv.forward, f.bn.forward
@@ -697,7 +715,7 @@ def _rows_per_pass(net: nn.Module, layers: list[_Layer], x: torch.Tensor, chunk:
     """``chunk``, or fewer rows so that no K-FAC layer's output holds more than `PASS_NUMBERS`
     numbers (measured by a forward pass of one row), but not fewer than `MIN_PASS_ROWS`."""
     with torch.no_grad():
-        _, seen = _hooked_forward(net, layers, x[:1])
+        _, seen = _hooked_forward(net, layers, batching.take(x, slice(0, 1)))
     widest = max(
         (z.numel() for calls in seen.values() for _, z in calls if z is not None), default=1
     )
@@ -1102,14 +1120,16 @@ def _diagonal_sums(net, named, sums: dict, x: torch.Tensor, factor: torch.Tensor
     rows = max(1, SQUARE_SUM_NUMBERS // max(1, c * width))
 
     def one(p: dict, xn: torch.Tensor, ln: torch.Tensor) -> torch.Tensor:
-        return ln.T @ functional_call(net, p, (xn.unsqueeze(0),)).reshape(-1)  # shape: (C,)
+        args, kwargs = batching.call_args(net, batching.unsqueeze(xn))
+        out = batching.output(functional_call(net, p, args, kwargs))
+        return ln.T @ out.reshape(-1)  # shape: (C,)
 
     factor = factor.detach()
     for name in sums:  # float64 sums
         sums[name] = sums[name] if isinstance(sums[name], torch.Tensor) else torch.zeros(
             named[name].shape, dtype=torch.float64, device=named[name].device
         )
-    for xb, lb in zip(x.split(rows), factor.split(rows)):
+    for xb, lb in zip(batching.split(x, rows), factor.split(rows)):
         add_row_jacobian_squares(one, params, xb, lb, sums)
 
 
@@ -1133,16 +1153,22 @@ def _assemble(net, layers, diagonal, diag_sums, count, dtype, fisher, conv, bias
             continue
         a = (lay.A / count).to(dtype)
         w = lay.weight
-        if lay.augment:
+        if lay.transposed:  # Conv1D: W (in, out); the block's row (o, i) is W[i, o]
+            in_f, out_f = w.shape
+            rows = torch.arange(out_f)[:, None]
+            wpos = starts[id(w)] + torch.arange(in_f)[None, :] * out_f + rows
+        else:
             out_f, in_f = w.shape[0], w.numel() // w.shape[0]
             rows = torch.arange(out_f)[:, None]
             wpos = starts[id(w)] + rows * in_f + torch.arange(in_f)[None, :]
+        if lay.augment:
             bpos = starts[id(lay.bias)] + rows
             index = torch.cat([wpos, bpos], 1).reshape(-1)  # row-major vec [W | b]
             names = (pnames[id(w)], pnames[id(lay.bias)])
             blocks.append(KronBlock(lay.name, names, index, G=g, A=a, augmented=True))
             continue
-        blocks.append(KronBlock(lay.name, (pnames[id(w)],), span(w), G=g, A=a))
+        index = wpos.reshape(-1) if lay.transposed else span(w)  # row-major vec W (out, in)
+        blocks.append(KronBlock(lay.name, (pnames[id(w)],), index, G=g, A=a))
         if lay.bias is not None:
             blocks.append(KronBlock(lay.name, (pnames[id(lay.bias)],), span(lay.bias), G=g.clone()))
     for module, names in diagonal.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from pyro.nn import PyroModule
 
+from .. import batch as batching
 from ..data import DataSource
 from ..flat import FlatNet, preserved
 from ..curvature.gram import RootRows
@@ -93,8 +94,8 @@ class Evaluator:
                 raise ValueError("y: the evaluator needs targets")
             if probe is None:  # only the output width is needed to check the targets
                 with torch.no_grad():
-                    probe = model.outputs(model.subspace.shift.new_zeros(model.rank), xc[:1])
-            yield xc, model.likelihood.validate(probe.expand(xc.shape[0], *probe.shape[1:]), yc)
+                    probe = model.outputs(model.subspace.shift.new_zeros(model.rank), batching.take(xc, slice(0, 1)))
+            yield xc, model.likelihood.validate(probe.expand(batching.rows(xc), *probe.shape[1:]), yc)
 
     # ------------------------------------------------------------------ likelihood
 

@@ -23,6 +23,7 @@ from pyro.nn import PyroModule
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from .. import batch as batching
 from .. import validation
 from ..data import DataSource, all_finite, as_tensors
 from ..flat import FlatNet, eval_mode, per_coordinate, writable_buffers_
@@ -362,7 +363,7 @@ class SubspaceNet(PyroModule):
             # singleton at the data plate's dim -1; the draws live to its left.
             t = t.squeeze(-2)
         with pyro.plate("data", n, subsample_size=size, dim=-1) as idx:
-            xb = x if size is None else x[idx]
+            xb = x if size is None else batching.take(x, idx)
             yb = y if y is None or size is None else y[idx]
             out = self.outputs(t, xb)
             if yb is not None:
@@ -375,8 +376,12 @@ class SubspaceNet(PyroModule):
 
 
 def _check_inputs(x: torch.Tensor) -> int:
+    if batching.is_mapping(x):
+        return validation.check_inputs(None, x, "x")  # each entry: rows, NaN
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(
+            f"x: expected a torch.Tensor or a mapping of tensors, got {type(x).__name__}"
+        )
     if x.dim() < 1 or x.shape[0] < 1:
         raise ValueError(f"x: expected shape (N, ...) with N >= 1, got {tuple(x.shape)}")
     if not all_finite(x):  # in blocks: memory bounded, not a copy of x

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from .. import batch as batching
 from ..linalg import symmetrize_
 from ..flat import FlatNet, eval_mode, flat_parameters
 from ..curvature.jacobians import Blocks, as_2d, weighted
@@ -137,18 +138,18 @@ class LastLayerSubspace(IndexSubspace):
         point. A network that reshapes its batch (a scorer on pairs ``(B, 2, d) → (2B, d)``
         whose ``(2B, 1)`` scores are read as ``(B, 2)``; a layer on ``(B·L, P)`` tokens) does
         not: its last-layer Jacobian is then taken by the generic `IndexSubspace` route."""
-        if not isinstance(x, torch.Tensor) or x.shape[0] == 0:
+        if not (isinstance(x, torch.Tensor) or batching.is_mapping(x)) or batching.rows(x) == 0:
             return True
         layer = flat.net.get_submodule(self.layer_name)
         calls: list[tuple[torch.Tensor, torch.Tensor]] = []
         handle = layer.register_forward_hook(lambda m, inp, out: calls.append((inp[0], out)))
         try:
             with torch.no_grad(), eval_mode(flat.net):
-                xc = x[:2]
+                xc = batching.take(x, slice(0, 2))
                 out = flat(w, xc)
         finally:
             handle.remove()
-        n = xc.shape[0]
+        n = batching.rows(xc)
         if len(calls) != 1 or out.dim() not in (1, 2) or out.shape[0] != n:
             return False
         inp, layer_out = calls[0]
@@ -166,7 +167,7 @@ class LastLayerSubspace(IndexSubspace):
         handle = layer.register_forward_hook(lambda m, inp, out: feats.append((inp[0], out)))
         try:
             with torch.no_grad(), eval_mode(flat.net):
-                for xc in x.split(chunk_size or 4096):
+                for xc in batching.split(x, chunk_size or 4096):
                     out = as_2d(flat(w, xc))
                     inp, layer_out = feats.pop()
                     if len(feats) or inp.dim() != 2 or layer_out.shape != out.shape:
@@ -184,7 +185,7 @@ class LastLayerSubspace(IndexSubspace):
                             f"net: the output of the last linear layer {self.layer_name!r} is "
                             "not the network's output; " + NOT_THE_OUTPUT.format(name=self.layer_name)
                         )
-                    phi = inp.detach().reshape(xc.shape[0], -1).to(out)
+                    phi = inp.detach().reshape(batching.rows(xc), -1).to(out)
                     if self.rows.shape[1] > phi.shape[1]:  # bias column
                         phi = torch.cat([phi, torch.ones_like(phi[:, :1])], dim=1)
                     yield out, phi

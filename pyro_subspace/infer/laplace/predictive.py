@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from pyro.infer.autoguide import AutoGuide
 
+from ... import batch as batching
 from ... import validation as ck
-from ...data import as_tensors
+from ...data import DataSource
 
 
 def _check_guide(guide: object):
@@ -66,12 +67,18 @@ def _moments(guide, x, chunk_size: int | None, variances: bool):
     """``f_mean`` ``(N, O)`` and ``J Σ Jᵀ`` ``(N, O, O)`` (its variances ``(N, O)`` with
     ``variances``) of a checked, fitted guide (`Posterior.linearized_outputs`)."""
     guide.model.check_data(x)
-    if not isinstance(x, torch.Tensor):  # a Dataset / DataLoader: its inputs, in its order
-        x = as_tensors(x)[0]
     ck.positive_int(chunk_size, "chunk_size", allow_none=True)
     chunk = guide.chunk_size if chunk_size is None else chunk_size
     w = guide.model.subspace.weights(guide.loc).detach()
-    return guide.posterior.linearized_outputs(guide.model, x, w, chunk, variances)
+    if isinstance(x, torch.Tensor) or batching.is_mapping(x):
+        return guide.posterior.linearized_outputs(guide.model, x, w, chunk, variances)
+    # a Dataset / DataLoader: its batches in its order, each as it comes (batches padded to
+    # different lengths are never concatenated), the moments joined along the rows
+    parts = [
+        guide.posterior.linearized_outputs(guide.model, xc, w, chunk, variances)
+        for xc in DataSource(x, None, chunk).inputs()
+    ]
+    return torch.cat([m for m, _ in parts]), torch.cat([c for _, c in parts])
 
 
 def linearized_predictive(

@@ -34,6 +34,7 @@ import math
 
 import torch
 
+from .... import batch as batching
 from ....curvature.kfac import KronFactors, conv_patches, kfac
 from ....flat import eval_mode, flat_parameters, per_coordinate
 from ....linalg import eigh_
@@ -492,8 +493,8 @@ class KronPosterior(Posterior):
             flat.load_vector(w.detach().to(w0))
             with eval_mode(net):
                 chunk_size = _rows_per_pass(net, layers, x, chunk_size)
-                for start in range(0, x.shape[0], chunk_size):
-                    out = _layer_outputs(net, layers, x[start : start + chunk_size], self, eig, diagonal)
+                for start in range(0, batching.rows(x), chunk_size):
+                    out = _layer_outputs(net, layers, batching.take(x, slice(start, start + chunk_size)), self, eig, diagonal)
                     if out is None:  # a layer saw inputs of another shape: the general route
                         return super().linearized_outputs(model, x, w, chunk_size, diagonal)
                     means.append(out[0]), covs.append(out[1])
@@ -560,11 +561,11 @@ def _layer_outputs(net, layers, x, post: KronPosterior, eig, diagonal: bool):
     handles = [m.register_forward_hook(hook(name)) for name, (m, _) in layers.items()]
     try:
         with torch.enable_grad():
-            f = net(x)
+            f = batching.call(net, x)
     finally:
         for h in handles:
             h.remove()
-    n = x.shape[0]
+    n = batching.rows(x)
     dims = {
         name: 4 if isinstance(m, torch.nn.Conv2d) else 2 if isinstance(m, torch.nn.Linear) else None
         for name, (m, _) in layers.items()
@@ -620,7 +621,7 @@ PASS_NUMBERS = 2**21
 def _rows_per_pass(net, layers, x: torch.Tensor, chunk: int) -> int:
     """``chunk``, or fewer rows so that the ``O`` output Jacobians at the layers' outputs hold
     at most `PASS_NUMBERS` numbers (their sizes from a forward pass of one row)."""
-    if x.shape[0] == 0:
+    if batching.rows(x) == 0:
         return chunk
     sizes = []
     handles = [
@@ -629,7 +630,7 @@ def _rows_per_pass(net, layers, x: torch.Tensor, chunk: int) -> int:
     ]
     try:
         with torch.no_grad():
-            f = net(x[:1])
+            f = batching.call(net, batching.take(x, slice(0, 1)))
     finally:
         for h in handles:
             h.remove()
