@@ -25,3 +25,24 @@ class TrainingDivergedError(FloatingPointError):
         super().__init__(message)
         self.epoch = epoch
         self.restored_epoch = restored_epoch
+
+
+class UnsupportedModelError(ValueError, TypeError):
+    """A model that a kernel cannot sample as it is written (elliptical slice sampling: a latent
+    whose prior is not a fixed Gaussian, or whose log-density a handler such as
+    ``poutine.scale`` or ``poutine.mask`` changes).
+
+    A ``ValueError``, as Pyro's MCMC kernels raise for invalid models, and a ``TypeError``, as
+    this library raised for them before: ``except`` clauses for either keep working. The message
+    names the site.
+    """
+
+
+class SubsamplingError(ValueError, NotImplementedError):
+    """An inference method that needs the full-data likelihood was given a subsampled model
+    (a plate with ``subsample_size`` or ``subsample``, or a ``subsample_size`` argument).
+
+    A ``NotImplementedError`` (so a ``RuntimeError``), as Pyro's MCMC kernels raise for
+    subsampled models, and a ``ValueError``, as this library raised for them before. The
+    message names the plate or the argument and says "subsample".
+    """
