@@ -60,16 +60,16 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
+import pyro
 import torch
 from pyro import poutine
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
 from .. import distributed
-from ..exceptions import ConvergenceWarning
+from ..exceptions import ConvergenceWarning, UnsupportedModelError
 from ..validation import positive_int
 from .gaussian_prior import (
     GaussianSite,
-    check_full_data,
     gaussian_moments,
     gaussian_priors,
     refuse_subsampling,
@@ -346,6 +346,18 @@ class ChainReference:
 # --- the Pyro kernel -------------------------------------------------------------------------
 
 
+class _PriorModel:
+    """The Pyro model of the model-free form with ``rng="global"``: one latent site ``"t"``
+    under ``prior``. A module-level class (not a closure), so that the kernel pickles: Pyro's
+    multiprocessing driver sends it to its workers (``mp_context="spawn"``)."""
+
+    def __init__(self, prior: Any) -> None:
+        self.prior = prior
+
+    def __call__(self, *args: object, **kwargs: object) -> torch.Tensor:
+        return pyro.sample("t", self.prior)
+
+
 class EllipticalSliceSampler(MCMCKernel):
     """Elliptical slice sampling over the prior or a fitted reference, as a Pyro ``MCMCKernel``.
 
@@ -355,9 +367,12 @@ class EllipticalSliceSampler(MCMCKernel):
     - *plain* (``reference="prior"``, no ``df``, ``chains`` or ``seed``; ``rng="global"``):
       Murray et al.'s kernel for any Pyro model whose latents all have fixed Gaussian priors
       (``Normal``/``MultivariateNormal``, ``.to_event`` allowed, parameters not depending on
-      other latents); the rest of the joint density (observed sites, ``pyro.factor``,
-      tempering by ``poutine.scale``) is ``L(θ)``. One chain at a time, random numbers from
-      torch's global generator (`PriorReference`).
+      other latents, no handler changing their density: a latent under ``poutine.scale`` or
+      under ``poutine.mask`` with a mask that is false anywhere is refused); the rest of the
+      joint density (observed sites, ``pyro.factor``, tempering by ``poutine.scale`` or masks
+      on observations) is ``L(θ)``. A model without latent sites gives empty draws, as with
+      HMC/NUTS. One chain at a time, random numbers from torch's global generator
+      (`PriorReference`).
     - *generalised* (a fitted ``reference``, ``df``, ``chains`` or ``seed``; ``rng="chains"``):
       over the coordinates ``t`` of a `SubspaceNet`, with a Gaussian or multivariate-t
       reference, chains advanced together in batched likelihood calls, chain ``j`` drawing
@@ -420,6 +435,15 @@ class EllipticalSliceSampler(MCMCKernel):
     per transition) and, with ``rng="chains"``, ``"passes per draw"`` (batched calls per
     transition, ≥ 1). `last_info` is the `SliceInfo` of the latest transition (with
     ``rng="chains"``: of the batch's latest step, all its chains).
+
+    Pyro's MCMC contract, as HMC/NUTS keep it: ``cleanup`` forgets everything of the chain
+    (its start, the user's ``initial_params`` included, and its cached state), so a kernel
+    reused in a new ``MCMC`` starts afresh; every constructor form pickles (Pyro's
+    multiprocessing driver, ``mp_context="spawn"``) when the model or ``log_likelihood`` does
+    (a module-level function does, a lambda does not); a model the kernel cannot sample raises
+    `UnsupportedModelError` (a ``ValueError`` and a ``TypeError``), a subsampled one
+    `SubsamplingError` (a ``NotImplementedError`` and a ``ValueError``), both from
+    ``pyro_subspace.exceptions``, before any sampling.
 
     Under ``torch.distributed`` every rank first takes rank 0's random stream
     (`distributed.share_random_stream`) and the evaluator all-reduces the likelihood, so every
@@ -495,18 +519,14 @@ class EllipticalSliceSampler(MCMCKernel):
                     f"and log_likelihood= (a function {shape})"
                 )
             if rng == "global":
-
-                def model(*args: object, **kwargs: object) -> None:
-                    import pyro
-
-                    pyro.sample("t", prior)
+                model = _PriorModel(prior)
 
         elif prior is not None or log_likelihood is not None:
             raise ValueError("prior, log_likelihood: give either a model or these, not both")
         elif rng == "global" and not callable(model):
             raise TypeError(f"model: expected a Pyro model (callable), got {type(model).__name__}")
         elif rng == "chains" and not all(hasattr(model, a) for a in ("prior", "log_likelihood_fn")):
-            raise TypeError(
+            raise UnsupportedModelError(
                 f"model: expected a SubspaceNet (prior, log_likelihood_fn), got "
                 f"{type(model).__name__}; other Pyro models are sampled with "
                 "reference='prior' and no df, chains or seed (rng='global')"
@@ -524,20 +544,52 @@ class EllipticalSliceSampler(MCMCKernel):
         self._chain_count = 0  # chains started by this kernel: the index of the next one
         self._batch: _Batch | None = None
         self._laplace_key: tuple | None = None
+        self._laplace: tuple | None = None
         self._restore: Callable[[], None] | None = None
         self.transforms: dict = {}
+        self.last_info: SliceInfo | None = None
+        self._t = self._evals = 0  # the latest chain's transitions and likelihood evaluations
+        self._chain = 0  # with rng="chains": the latest chain's row in its batch
+        self._reset_run()
+        super().__init__()
+
+    def _reset_run(self) -> None:
+        """Forget every piece of per-chain state (what ``cleanup`` does, as Pyro's HMC/NUTS do
+        in theirs): the start (the user's ``initial_params`` too), the cached state and its
+        log-likelihood, the likelihood function, the priors and the run's arguments. The
+        statistics of the latest chain (`evaluations_per_draw`, `last_info`) stay readable
+        until the next ``setup``; a finished batch of ``rng="chains"`` stays for the same
+        reason and is never reused."""
         self._initial_params: dict[str, torch.Tensor] | None = None
         self._user_initial = False
-        self.last_info: SliceInfo | None = None
+        self._warmup_steps = 0
+        self._loglik: float | None = None
         self._loglik_fn: Callable | None = None
-        self._reset_counters()
-        super().__init__()
+        self._position: dict[str, torch.Tensor] | None = None  # the state _loglik belongs to
+        self._versions: dict[str, int | None] = {}
+        self._priors: list[GaussianSite] | None = None
+        self._reference: PriorReference | None = None
+        self._args: tuple = ()
+        self._kwargs: dict = {}
+        self._step = 0
+        self._ready = False  # setup() done, cleanup() not yet
 
     def _reset_counters(self) -> None:
         self._t = 0
-        self._warmup_steps = 0
         self._evals = 0
-        self._loglik: float | None = None
+        self.last_info = None
+
+    def __getstate__(self) -> dict:
+        """What pickles: the configuration, the chain count and a user's ``initial_params``
+        (Pyro's multiprocessing driver sets them before it sends the kernel to a worker); not
+        the state of a run (its likelihood closures, open batches, cached data), which a worker
+        builds again in its ``setup``."""
+        state = self.__dict__.copy()
+        for name in ("_loglik_fn", "_position", "_priors", "_reference", "_loglik", "_restore"):
+            state[name] = None
+        state.update(_args=(), _kwargs={}, _versions={}, _batch=None)
+        state.update(_laplace=None, _laplace_key=None, last_info=None, _ready=False)
+        return state
 
     # --- the MCMCKernel contract ------------------------------------------------------------
 
@@ -556,26 +608,34 @@ class EllipticalSliceSampler(MCMCKernel):
         chain of the open batch (``rng="chains"``)."""
         refuse_subsampling(kwargs)
         distributed.share_random_stream()
+        self._ready = False
         if self.rng == "global":
             self._setup_one(warmup_steps, args, kwargs)
         else:
             self._setup_batch(warmup_steps, args, kwargs)
+        self._ready = True
 
     def sample(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One transition from ``params`` (``rng="chains"``: chain ``c``'s next state, advancing
-        the whole batch when it is the first to ask)."""
+        the whole batch when it is the first to ask).
+
+        ``params`` is normally what the previous call returned (Pyro's driver passes it back),
+        whose log-likelihood the kernel holds; any other position (a direct caller's, or one a
+        ``hook_fn`` changed in place) has its log-likelihood computed first. With
+        ``rng="chains"`` a chain can be moved to another position only while no chain of its
+        batch has gone past its step (always with ``chains=None``).
+        """
         if self.rng == "chains":
-            batch = self._batch
-            if batch is None:
-                raise RuntimeError("sample: call setup() first (the MCMC driver does)")
-            self._step += 1
-            while len(batch.states) <= self._step:
-                batch.advance()
-            self.last_info = batch.info
-            return {"t": batch.states[self._step][self._chain]}
-        if self._loglik is None:
+            return self._sample_batch(params)
+        if not self._ready:
             raise RuntimeError("sample: call setup() first (the MCMC driver does)")
-        state = SliceState(params, np.array([self._loglik]))
+        if not self._priors:  # no latent sites: nothing to move (HMC/NUTS return {} too)
+            self._t += 1
+            return {}
+        if not self._holds(params):
+            self._restart_at(params)
+        self._t += 1
+        state = SliceState(self._position, np.array([self._loglik]))
         state, self.last_info = elliptical_slice_step(
             state,
             self._reference,
@@ -583,8 +643,74 @@ class EllipticalSliceSampler(MCMCKernel):
             self.max_shrinks,
         )
         self._loglik = float(state.log_likelihood[0])
-        self._t += 1
+        self._cache_position(state.position)
         return state.position
+
+    def _cache_position(self, position: dict[str, torch.Tensor]) -> None:
+        """Remember the state ``self._loglik`` belongs to, with the tensors' version counters
+        (an in-place change of a returned tensor is then noticed)."""
+        self._position = position
+        self._versions = {k: _version(v) for k, v in position.items()}
+
+    def _holds(self, params: Any) -> bool:
+        """Whether ``params`` is the cached state (same tensors, unchanged, or equal values)."""
+        pos = self._position
+        if pos is None or not isinstance(params, dict):
+            return False
+        for k, v in pos.items():
+            p = params.get(k)
+            if _version(v) != self._versions.get(k) or not isinstance(p, torch.Tensor):
+                return False
+            if p is not v and (p.shape != v.shape or not torch.equal(p.to(v), v)):
+                return False
+        return True
+
+    def _restart_at(self, params: Any) -> dict[str, torch.Tensor]:
+        """``params`` as a state of the latent sites, with its log-likelihood computed."""
+        if not isinstance(params, dict):
+            raise TypeError(
+                f"params: expected a dict of the latent sites' values, got {type(params).__name__}"
+            )
+        names = [s.name for s in self._priors]
+        missing = [n for n in names if n not in params]
+        if missing:
+            raise ValueError(f"params: missing values for latent sites {missing}")
+        state = {}
+        for site in self._priors:
+            value = torch.as_tensor(params[site.name]).to(site.mean)
+            if tuple(value.shape) != tuple(site.shape):
+                raise ValueError(
+                    f"params[{site.name!r}]: expected shape {tuple(site.shape)}, got "
+                    f"{tuple(value.shape)}"
+                )
+            state[site.name] = value
+        loglik = self.log_likelihood(state)
+        if math.isnan(loglik):
+            raise ValueError("params: the log-likelihood at the given position is NaN")
+        self._loglik = loglik
+        self._cache_position(state)
+        return state
+
+    def _sample_batch(self, params: Any) -> dict[str, torch.Tensor]:
+        batch = self._batch
+        if batch is None or not self._ready:
+            raise RuntimeError("sample: call setup() first (the MCMC driver does)")
+        current = batch.states[self._step][self._chain]
+        given = params.get("t") if isinstance(params, dict) else None
+        if not isinstance(given, torch.Tensor) or given.shape != current.shape:
+            got = tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__
+            raise ValueError(
+                f"params: expected {{'t': a tensor of shape {tuple(current.shape)}}}, got {got}"
+            )
+        if not torch.equal(given.to(current), current):
+            batch.move(self._step, self._chain, given)
+        self._step += 1
+        while len(batch.states) <= self._step:
+            batch.advance()
+        self.last_info = batch.info
+        self._t += 1
+        # a copy: a caller's in-place change must not rewrite the batch's trajectory
+        return {"t": batch.states[self._step][self._chain].clone()}
 
     def logging(self) -> OrderedDict:
         return OrderedDict([("evals/draw", f"{self.evaluations_per_draw:.2f}")])
@@ -600,18 +726,21 @@ class EllipticalSliceSampler(MCMCKernel):
         return diag
 
     def cleanup(self) -> None:
+        """End a chain: put the user's BatchNorm buffers back and forget the chain's state
+        (`_reset_run`), the user's ``initial_params`` included, so that the next ``setup`` (a
+        new chain, or a new ``MCMC`` with this kernel) starts afresh, as Pyro's HMC/NUTS do."""
         if self._restore is not None:
             self._restore()  # the user's BatchNorm buffers
             self._restore = None
         b = self._batch
         if b is not None and b.opened >= b.size:
             b.states = b.states[:1]  # free the trajectory; the batch is finished
-        if not self._user_initial:
-            self._initial_params = None
+        self._reset_run()
 
     @property
     def evaluations_per_draw(self) -> float:
-        """Mean number of likelihood evaluations of the current chain per transition so far."""
+        """Mean number of likelihood evaluations of the current (after a run: the latest) chain
+        per transition so far."""
         if self.rng == "chains":
             b = self._batch
             return 0.0 if b is None else float(b.evals[self._chain]) / max(b.steps, 1)
@@ -641,9 +770,14 @@ class EllipticalSliceSampler(MCMCKernel):
     def log_likelihood(self, params: dict[str, torch.Tensor]) -> float:
         """``log L(θ)`` at one point: the tempered full-data log-likelihood of a `SubspaceNet`,
         the user's function, or a Pyro model's log joint minus its Gaussian log prior."""
+        fn = self._loglik_fn
+        if fn is None and self._batch is not None:  # after a run: the latest batch's data
+            fn = self._batch.fn
+        if fn is None and self._priors is None:
+            raise RuntimeError("log_likelihood: call setup() first (the MCMC driver does)")
         self._evals += 1
-        if self._loglik_fn is not None:
-            return float(self._loglik_fn(params))
+        if fn is not None:
+            return float(fn(params))
         latent = {s.name for s in self._priors}  # conditioned now, so marked observed: skip by name
         with torch.no_grad():
             conditioned = poutine.condition(self.model, data=params)
@@ -671,12 +805,12 @@ class EllipticalSliceSampler(MCMCKernel):
             () if model is not self.model else args,
             {} if model is not self.model else kwargs,
         )
-        if not self._priors:
-            raise TypeError("model: has no latent sample sites to sample")
+        # gaussian_priors traced the model: a plate that subsamples was refused there
+        if not self._priors:  # no latent sites: empty draws, as HMC/NUTS give
+            self._initial_params = {}
+            self._cache_position(self._initial_params)
+            return
         self._reference = PriorReference(self._priors)
-        if self._loglik_fn is None:
-            with torch.no_grad():
-                check_full_data(poutine.trace(self.model).get_trace(*args, **kwargs))
         if not self._user_initial:
             self._initial_params = {s.name: s.fn.sample() for s in self._priors}
         else:
@@ -693,6 +827,7 @@ class EllipticalSliceSampler(MCMCKernel):
                         f"got {tuple(value.shape)}"
                     )
         self._loglik = self.log_likelihood(self._initial_params)
+        self._cache_position(self._initial_params)
         self._evals = 0  # count evaluations per transition only
         if not math.isfinite(self._loglik):
             where = "initial_params" if self._user_initial else "model"
@@ -736,6 +871,7 @@ class EllipticalSliceSampler(MCMCKernel):
             self._batch = batch = _Batch(
                 self, prior, loglik, mu, cov, seeds, warmup_steps, start, args, kwargs
             )
+            batch.fn = fn
             self._chain_count += size
         self._chain = batch.opened
         batch.opened += 1
@@ -766,13 +902,20 @@ class EllipticalSliceSampler(MCMCKernel):
         if isinstance(ref, str):
             if ref != "laplace":
                 return gaussian_moments(prior)
-            key = (
-                id(args[0]) if args else None,
-                id(args[1]) if len(args) > 1 else None,
-                self.model.temperature,
-                self.model.rank,
+            # the run's own argument objects, held and compared by identity (an id of a freed
+            # object can come back): Pyro's MCMC.run passes the same (detached) tensors to
+            # every chain of a run, and new ones to the next run, which therefore fits again
+            key = (args, tuple(kwargs), tuple(kwargs.values()))
+            old = self._laplace_key
+            same = (
+                old is not None
+                and _same(old[0], args)
+                and old[1] == key[1]
+                and _same(old[2], key[2])
+                and old[3:] == (self.model.temperature, self.model.rank)
             )
-            if self._laplace_key != key:  # fit once per data set, not once per chain
+            key += (self.model.temperature, self.model.rank)
+            if not same:  # fit once per data set, not once per chain
                 from .laplace import AutoSubspaceLaplace
 
                 guide = AutoSubspaceLaplace(self.model, chunk_size=min(self.chunk_size, 1024))
@@ -794,6 +937,7 @@ class _Batch:
 
     def __init__(self, kernel, prior, loglik, mu, cov, seeds, warmup, start, args, kwargs):
         self.kernel, self.loglik, self.warmup = kernel, loglik, warmup
+        self.fn: Callable | None = None  # the likelihood of one point {"t": t}
         self.args, self.kwargs = args, kwargs
         self.size, self.opened, self.passes, self.steps = len(seeds), 0, 0, 0
         self.model_dtype, self.model_device = prior.mean.dtype, prior.mean.device
@@ -847,6 +991,30 @@ class _Batch:
         loglik = self.loglik(torch.from_numpy(t).to(self.model_device, self.model_dtype))
         return -0.5 * (z * z).sum(-1) + loglik.detach().double().cpu().numpy()
 
+    def move(self, step: int, chain: int, t: torch.Tensor) -> None:
+        """Put chain ``chain`` at ``t`` ``(K,)`` at ``step``, which must be the batch's latest
+        (no chain has gone past it), and compute its log-density there: a position that a
+        direct caller of ``sample`` gives instead of the chain's state."""
+        if len(self.states) != step + 1:
+            raise ValueError(
+                f"params: chain {chain} of {self.size} chains advanced together is at step "
+                f"{step}, which the batch has gone past (its later steps are computed and "
+                "replayed); only a chain at the batch's latest step can be given another "
+                "position, e.g. with chains=None, where every chain is its own batch"
+            )
+        row = t.detach().double().cpu().numpy().reshape(1, self.k)
+        lp = self._log_target(row)
+        if np.isnan(lp).any():
+            raise ValueError("params: the log-density at the given position is NaN")
+        self.evals[chain] += 1
+        self.passes += 1
+        x, lps = self.x.copy(), self.lp.copy()
+        x[chain], lps[chain] = row[0], lp[0]
+        self.x, self.lp = x, lps
+        states = self.states[step].clone()  # the tensors returned before stay as they were
+        states[chain] = t.detach().to(states)
+        self.states[step] = states
+
     def advance(self) -> None:
         """One transition of every chain (Nishihara et al. 2014, Alg. 2; Murray et al. 2010)."""
         state, info = elliptical_slice_step(
@@ -879,6 +1047,15 @@ class _Batch:
         except ValueError:
             return  # a degenerate window (e.g. stuck chains): keep the old reference
         self.reference.refit(mean, tril)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """A tensor's version counter (incremented by every in-place change); ``None`` for an
+    inference-mode tensor, which has none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def _same(a: tuple, b: tuple) -> bool:
