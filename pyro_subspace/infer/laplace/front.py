@@ -11,16 +11,19 @@ Pyro guide, an `AutoSubspaceLaplace` on a `SubspaceNet` of the network with the 
 
 from __future__ import annotations
 
+import enum
 import math
+import warnings
 
 import torch
 from pyro.poutine.runtime import am_i_wrapped
 from torch import nn
 
+from ... import batch as batching
 from ... import validation as ck
 from ...flat import FlatNet, flat_parameters
 from ...linalg import gaussian_draws
-from ...likelihoods import Likelihood, check_likelihood, check_temperature
+from ...likelihoods import Categorical, Gaussian, Likelihood, check_likelihood, check_temperature
 from ...nn import SubspaceNet
 from ...subspaces import IndexSubspace, LastLayerSubspace, Subspace, subnetwork
 from ...transaction import transaction
@@ -45,7 +48,7 @@ def all_weights(net: nn.Module) -> IndexSubspace:
 
 def Laplace(
     net: nn.Module,
-    likelihood: Likelihood,
+    likelihood: Likelihood | str,
     subset_of_weights: str | torch.Tensor | Subspace = "last_layer",
     hessian_structure: str | None = None,
     prior_precision: float = 1.0,
@@ -57,13 +60,22 @@ def Laplace(
     rescale_prior: bool | None = None,
     damping: bool = False,
     structure_options: dict | None = None,
+    sigma_noise: float | None = None,
     **strategy_kwargs: object,
 ) -> NetLaplace:
     """A linearised Laplace approximation of ``net`` at its current weights (the MAP).
 
     Args:
         net: the trained network.
-        likelihood: `Gaussian`, `Categorical`, `Bernoulli` (or your own `Likelihood`).
+        likelihood: `Gaussian`, `Categorical`, `Bernoulli` (or your own `Likelihood`), or
+            laplace-torch's names (its ``Likelihood`` enum members are taken by value):
+            ``"classification"`` (`Categorical`), ``"regression"`` (`Gaussian` with
+            ``sigma_noise``, default 1) and ``"reward_modeling"``: a Bradley–Terry reward
+            model, fitted as classification over the pairs' ``(B, 2)`` scores and predicting
+            as regression (``la(x)`` returns the scores' ``(f_mu, f_var)``), as laplace-torch
+            0.3 does.
+        sigma_noise: laplace-torch's ``sigma_noise`` at construction: the Gaussian
+            likelihood's ``σ`` (only for regression).
         subset_of_weights: ``"last_layer"`` (`LastLayerSubspace` for a final ``nn.Linear``),
             ``"all"`` (every weight that requires grad: frozen parameters keep their values,
             as in laplace-torch), ``"subnetwork"`` (``n_params`` weights chosen by
@@ -112,7 +124,7 @@ def Laplace(
     """
     if not isinstance(net, nn.Module):
         raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
-    check_likelihood(likelihood)
+    likelihood, reward_modeling = _door_likelihood(likelihood, sigma_noise)
     prior_precision = float(ck.prior_precision(prior_precision, 1))
     check_temperature(temperature)
     if hessian_structure is None:  # laplace-torch's default where K-FAC applies
@@ -187,14 +199,49 @@ def Laplace(
         model, hessian_structure=hessian_structure, chunk_size=chunk_size, rank=rank,
         structure_options=structure_options,
     )  # fmt: skip
-    return NetLaplace(guide, subset_of_weights)
+    la = NetLaplace(guide, subset_of_weights, reward_modeling=reward_modeling)
+    if sigma_noise is not None:
+        la.sigma_noise = sigma_noise  # a Gaussian likelihood object given with sigma_noise too
+    return la
+
+
+#: laplace-torch's likelihood names
+LIKELIHOOD_NAMES = ("classification", "regression", "reward_modeling")
+
+
+def _door_likelihood(likelihood: object, sigma_noise: object) -> tuple[Likelihood, bool]:
+    """``(likelihood object, reward modeling?)`` from a `Likelihood` or laplace-torch's name
+    (or its ``Likelihood`` enum member, by value); ``sigma_noise`` checked against it."""
+    name = enum_value(likelihood)
+    if isinstance(name, str):
+        if name not in LIKELIHOOD_NAMES:
+            raise ValueError(
+                f"likelihood: expected a Likelihood (likelihoods.Categorical(), Gaussian(), "
+                f"Bernoulli()) or one of laplace-torch's names {LIKELIHOOD_NAMES}, got {name!r}"
+            )
+        if sigma_noise is not None and name != "regression":
+            raise ValueError(
+                f"sigma_noise: only for likelihood='regression' (the Gaussian noise), got "
+                f"likelihood={name!r}; leave it out"
+            )
+        if name == "regression":
+            sigma = 1.0 if sigma_noise is None else float(_as_scalar(sigma_noise, "sigma_noise"))
+            return Gaussian(sigma=ck.positive_float(sigma, "sigma_noise")), False
+        return Categorical(), name == "reward_modeling"
+    check_likelihood(likelihood)
+    if sigma_noise is not None and not likelihood.noise_scale_tunable:
+        raise ValueError(
+            f"sigma_noise: only for a Gaussian likelihood with one noise scale, got "
+            f"{type(likelihood).__name__}; leave it out"
+        )
+    return likelihood, False
 
 
 class NetLaplace(nn.Module):
     """What `Laplace` returns: a laplace-torch-shaped Laplace approximation that holds the Pyro
     guide as ``la.guide``.
 
-    laplace-torch's names behave as they do there (laplace-torch 0.2):
+    laplace-torch's names behave as they do there (laplace-torch 0.3):
 
     - ``la.fit(x, y)`` / ``la.fit(train_loader)``: the GGN at the network's weights *now* (a
       checkpoint loaded after `Laplace` was built is the one fitted; the subset's indices are
@@ -215,9 +262,8 @@ class NetLaplace(nn.Module):
       sigma_noise)`` evaluates the evidence at the given (differentiable) values and writes them
       back as laplace-torch does, lazily: ``Σ`` is re-formed once, at the next use, not on every
       call of a hyperparameter loop;
-    - ``la.optimize_prior_precision(method="marglik"|"gridsearch", ...)`` with
-      laplace-torch's keywords (`optimize_prior_precision`; ``method`` comes first here,
-      ``pred_type`` first in laplace-torch: pass them by keyword);
+    - ``la.optimize_prior_precision(pred_type, method="marglik"|"gridsearch", ...)`` with
+      laplace-torch 0.3's signature (`optimize_prior_precision`);
     - ``posterior_precision``, ``posterior_covariance``, ``posterior_variance``,
       ``n_params``, ``state_dict``.
 
@@ -233,13 +279,17 @@ class NetLaplace(nn.Module):
             what `sample` returns).
     """
 
-    def __init__(self, guide: AutoSubspaceLaplace, subset: object = "all") -> None:
+    def __init__(
+        self, guide: AutoSubspaceLaplace, subset: object = "all", reward_modeling: bool = False
+    ) -> None:
         super().__init__()
         if not isinstance(guide, AutoSubspaceLaplace):
             raise TypeError(f"guide: expected an AutoSubspaceLaplace, got {type(guide).__name__}")
         self._modules["guide"] = guide
         self._modules["model"] = guide.model
         self.last_layer = isinstance(subset, str) and subset == "last_layer"
+        #: laplace-torch's ``"reward_modeling"``: fitted as classification, predicts as regression
+        self.reward_modeling = bool(reward_modeling)
         self.__dict__["_pending"] = {}  # hyperparameters written back lazily
 
     # ------------------------------------------------------------------ the guide
@@ -293,11 +343,19 @@ class NetLaplace(nn.Module):
             )
         _check_prediction_keywords(pred_type, joint, n_samples, diagonal_output, generator, fitting)
         lik, dtype = self.model.likelihood, self.model.subspace.shift.dtype
+        if self.reward_modeling:  # fitted as classification, predicts the scores as regression
+            regression = Gaussian()  # its glm and nn outputs: the moments, without σ²
+            if pred_type == "nn":
+                out = regression.sample_prediction(self._nn_samples(x, n_samples, generator))
+            else:
+                f_mu, f_var = linearized_moments(self.guide, x)
+                out = regression.glm_prediction(f_mu, f_var, "auto", diagonal_output=diagonal_output)
+            return _to_net_dtype(out, dtype)
         if pred_type == "nn":  # shape: (S, N, O)
             out = lik.sample_prediction(self._nn_samples(x, n_samples, generator))
         else:
             glm_link = link_approx if link_approx in lik.link_approxes else "auto"
-            if glm_link == "probit" and isinstance(x, torch.Tensor) and x.shape[0] > 0:
+            if glm_link == "probit" and batching.rows_or_none(x):
                 # the variances alone ((N, C), never (N, C, C)), chunk by chunk: beside the
                 # result, memory of one chunk's float64 moments (a 1000-class last layer on
                 # 10,000 inputs: not five (N, C) float64 temporaries at once)
@@ -306,7 +364,7 @@ class NetLaplace(nn.Module):
                         lik.glm_prediction(*linearized_variances(self.guide, xc), "probit"),
                         dtype,
                     )
-                    for xc in x.split(self.guide.chunk_size)
+                    for xc in batching.split(x, self.guide.chunk_size)
                 ]
                 return _cat_rows(parts)
             f_mu, f_var = linearized_moments(self.guide, x)
@@ -392,26 +450,28 @@ class NetLaplace(nn.Module):
 
     def optimize_prior_precision(
         self,
-        method: str = "marglik",
-        *,
         pred_type: str = "glm",
-        link_approx: str = "probit",
-        n_samples: int = 100,
-        prior_structure: str | None = None,
+        method: str = "marglik",
+        n_steps: int | None = None,
+        lr: float | None = None,
         init_prior_prec: float | torch.Tensor | None = None,
+        prior_structure: str | None = None,
         val_loader: object = None,
         loss: object = None,
         log_prior_prec_min: float = -4,
         log_prior_prec_max: float = 4,
         grid_size: int = 100,
-        n_steps: int | None = None,
-        lr: float | None = None,
+        link_approx: str = "probit",
+        n_samples: int = 100,
         verbose: bool = False,
         progress_bar: bool = False,
         **ours: object,
     ) -> NetLaplace:
-        """Tune ``λ`` with laplace-torch's keywords (``method`` is the first argument here,
-        ``pred_type`` in laplace-torch: pass them by keyword), or ours (`tuning`).
+        """Tune ``λ`` with laplace-torch 0.3's signature (``pred_type`` first, then ``method``;
+        its ``PredType``/``TuningMethod``/``PriorStructure``/``LinkApprox`` members are taken by
+        value), or our keywords (`tuning`). A first positional argument that names a tuning
+        method (``"marglik"``, ``"gridsearch"``, ``"grid"``: this door's former order) is taken
+        as ``method``, with a ``DeprecationWarning``, for one release.
 
         - ``method="marglik"``: the Laplace evidence, by L-BFGS to convergence; with ``n_steps``
           or ``lr``, laplace-torch's schedule (Adam on ``log λ``, defaults 100 and 0.1).
@@ -430,6 +490,17 @@ class NetLaplace(nn.Module):
         non-probit ``link_approx`` for the grid, a structured prior for the grid) is an error
         saying what to do.
         """
+        pred_type, method = enum_value(pred_type), enum_value(method)
+        link_approx, prior_structure = enum_value(link_approx), enum_value(prior_structure)
+        if pred_type in ("marglik", "gridsearch", "grid"):  # the former order: method first
+            warnings.warn(
+                f"optimize_prior_precision({pred_type!r}): the first argument is pred_type, as "
+                f"in laplace-torch; pass the tuning method by keyword, method={pred_type!r} "
+                "(read as the method for now)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            pred_type, method = "glm", pred_type
         ck.choice(verbose, "verbose", (True, False))
         ck.choice(progress_bar, "progress_bar", (True, False))
         ck.choice(pred_type, "pred_type", ("glm", "nn"))
@@ -734,6 +805,14 @@ class ParameterGroups:
         return self._index
 
 
+def enum_value(value: object) -> object:
+    """laplace-torch's ``str`` enum members (``Likelihood.CLASSIFICATION``, ``PredType.GLM``,
+    ...) as their values, without importing laplace-torch; anything else unchanged."""
+    if isinstance(value, enum.Enum) and isinstance(value.value, str):
+        return value.value
+    return value
+
+
 def _cat_rows(parts: list):
     """Predictions of consecutive chunks of rows as one: tensors, or tuples of tensors."""
     if isinstance(parts[0], tuple):
@@ -846,7 +925,6 @@ def _describe(subset: object) -> str:
 
 #: laplace-torch keywords with no counterpart here, and what to do instead
 _LT_KEYWORDS = {
-    "sigma_noise": "give the noise to the likelihood: likelihoods.Gaussian(sigma=...)",
     "subnetwork_indices": "pass the flat indices as subset_of_weights",
     "backend": "there are no curvature backends: the GGN is exact (Jacobian products)",
     "prior_mean": "the prior is N(0, 1/prior_precision I) on the weights (what weight "

@@ -1,0 +1,167 @@
+"""laplace-torch's own calls at `infer.Laplace`'s door, with only the import changed.
+
+laplace-torch 0.3 names its likelihoods by string (``"classification"``, ``"regression"`` with
+``sigma_noise=``, ``"reward_modeling"``) or by its ``str`` enum members, and its
+``optimize_prior_precision`` takes ``pred_type`` first. Each is checked against the likelihood
+objects it maps to, and, where laplace-torch is installed, against laplace-torch itself on its
+reward-modeling example (a 3-100-1 scorer on pairs, float64).
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from pyro_subspace import infer, likelihoods
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+F64 = torch.float64
+LAM = 0.8
+
+
+class PredType(str, enum.Enum):
+    """A stand-in of laplace-torch's ``str`` enums (``laplace.utils.enums``)."""
+
+    GLM = "glm"
+
+
+class LikelihoodName(str, enum.Enum):
+    CLASSIFICATION = "classification"
+    REGRESSION = "regression"
+
+
+def _classifier():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).to(F64)
+    x = torch.randn(30, 4, dtype=F64)
+    return net, x, torch.randint(0, 3, (30,))
+
+
+def _regressor():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1)).to(F64)
+    x = torch.randn(30, 2, dtype=F64)
+    return net, x, torch.sin(x[:, :1]) + 0.1 * torch.randn(30, 1, dtype=F64)
+
+
+@pytest.mark.parametrize("name", ["classification", LikelihoodName.CLASSIFICATION])
+def test_classification_by_name_is_the_categorical_likelihood(name):
+    net, x, y = _classifier()
+    by_name = infer.Laplace(net, name, "all", "full", prior_precision=LAM).fit(x, y)
+    by_object = infer.Laplace(net, likelihoods.Categorical(), "all", "full", prior_precision=LAM).fit(x, y)
+    assert isinstance(by_name.model.likelihood, likelihoods.Categorical)
+    torch.testing.assert_close(by_name(x), by_object(x), rtol=0, atol=0)
+    torch.testing.assert_close(by_name.log_marginal_likelihood(), by_object.log_marginal_likelihood())
+
+
+@pytest.mark.parametrize("name", ["regression", LikelihoodName.REGRESSION])
+def test_regression_by_name_takes_sigma_noise_at_construction(name):
+    net, x, y = _regressor()
+    by_name = infer.Laplace(net, name, "all", "full", prior_precision=LAM, sigma_noise=0.3).fit(x, y)
+    lik = likelihoods.Gaussian(sigma=0.3)
+    by_object = infer.Laplace(net, lik, "all", "full", prior_precision=LAM).fit(x, y)
+    assert float(by_name.sigma_noise) == pytest.approx(0.3)
+    for a, b in zip(by_name(x), by_object(x)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(by_name.log_marginal_likelihood(), by_object.log_marginal_likelihood())
+    default = infer.Laplace(net, "regression", "all", "full")
+    assert float(default.sigma_noise) == 1.0  # laplace-torch's default
+
+
+def test_unknown_names_and_misplaced_sigma_noise_are_refused_before_any_work():
+    net, _, _ = _classifier()
+    with pytest.raises(ValueError, match="^likelihood: .*'classification', 'regression', 'reward_modeling'"):
+        infer.Laplace(net, "classificaton")
+    with pytest.raises(ValueError, match="^sigma_noise: only for likelihood='regression'"):
+        infer.Laplace(net, "classification", sigma_noise=0.1)
+    with pytest.raises(ValueError, match="^sigma_noise: only for a Gaussian"):
+        infer.Laplace(net, likelihoods.Categorical(), sigma_noise=0.1)
+
+
+def test_optimize_prior_precision_takes_pred_type_first_and_warns_on_the_former_order():
+    net, x, y = _classifier()
+
+    def fitted():
+        return infer.Laplace(net, "classification", "all", "full", prior_precision=LAM).fit(x, y)
+
+    reference = fitted().optimize_prior_precision(method="marglik").prior_precision
+    ours = fitted().optimize_prior_precision("glm", "marglik").prior_precision
+    theirs = fitted().optimize_prior_precision(PredType.GLM).prior_precision
+    torch.testing.assert_close(ours, reference, rtol=0, atol=0)
+    torch.testing.assert_close(theirs, reference, rtol=0, atol=0)
+    with pytest.warns(DeprecationWarning, match="method='marglik'"):
+        former = fitted().optimize_prior_precision("marglik").prior_precision
+    torch.testing.assert_close(former, reference, rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        fitted().optimize_prior_precision()
+
+
+class SimpleRewardModel(nn.Module):
+    """laplace-torch's ``examples/reward_modeling_example.py`` scorer: pairs ``(B, 2, 3)`` give
+    ``(B, 2)`` logits, single items ``(N, 3)`` their ``(N, 1)`` scores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 100), nn.ReLU(), nn.Linear(100, 1))
+
+    def forward(self, x):
+        if len(x.shape) == 3:
+            batch_size, _, dim = x.shape
+            return self.net(x.reshape(-1, dim)).reshape(batch_size, 2)
+        return self.net(x)
+
+
+def _reward_problem():
+    torch.manual_seed(0)
+    x = torch.randn(10, 2, 3, dtype=F64)
+    y = torch.randint(2, (10,))
+    loader = DataLoader(TensorDataset(x, y), batch_size=3)
+    model = SimpleRewardModel().to(F64)
+    opt = torch.optim.AdamW(model.parameters(), weight_decay=1e-3)
+    for _ in range(10):
+        for xb, yb in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+    return model.eval(), loader, torch.randn(5, 3, dtype=F64)
+
+
+def test_reward_modeling_fits_the_pairs_as_classification_and_predicts_scores():
+    model, loader, x_test = _reward_problem()
+    la = infer.Laplace(model, "reward_modeling", "all", "full", prior_precision=LAM).fit(loader)
+    clf = infer.Laplace(model, likelihoods.Categorical(), "all", "full", prior_precision=LAM)
+    clf.fit(loader)
+    torch.testing.assert_close(la.posterior_precision, clf.posterior_precision, rtol=0, atol=0)
+    f_mu, f_var = la(x_test)
+    assert f_mu.shape == (5, 1) and f_var.shape == (5, 1, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(f_mu, model(x_test))
+    # the scores' GLM variance J Σ Jᵀ from brute-force Jacobians of each test item
+    params = dict(model.named_parameters())
+    jac = torch.func.jacrev(lambda p: torch.func.functional_call(model, p, (x_test,)))(params)
+    j = torch.cat([jac[n].reshape(5, 1, -1) for n in params], -1)
+    sigma = la.posterior_covariance
+    torch.testing.assert_close(f_var, j @ sigma @ j.mT, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("structure", ["kron", "full", "diag"])
+def test_reward_modeling_equals_laplace_torch(structure):
+    laplace = pytest.importorskip("laplace", reason="laplace-torch is a comparison only")
+    model, loader, x_test = _reward_problem()
+    ours = infer.Laplace(model, "reward_modeling", "all", structure, prior_precision=LAM).fit(loader)
+    theirs = laplace.Laplace(
+        model, "reward_modeling", subset_of_weights="all", hessian_structure=structure,
+        prior_precision=LAM,
+    )  # fmt: skip
+    theirs.fit(loader)
+    for a, b in zip(ours(x_test), theirs(x_test)):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-6
+    a, b = ours.log_marginal_likelihood(), theirs.log_marginal_likelihood()
+    assert abs(float(a - b)) < 1e-6 * abs(float(b))
