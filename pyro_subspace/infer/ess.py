@@ -414,7 +414,10 @@ class EllipticalSliceSampler(MCMCKernel):
         chains: ``None``: every ``MCMC`` chain is sampled on its own; an int ``C``: the kernel
             advances ``C`` chains together; run it with ``MCMC(..., num_chains=C)`` (in one
             process: in a worker of Pyro's multiprocessing driver each chain runs on its own).
-            Pyro's sequential driver then replays chain ``c``'s stored trajectory.
+            Pyro's sequential driver then replays chain ``c``'s stored trajectory. A run with
+            fewer chains leaves the batch's other chains to the next ``setup`` with the same
+            argument objects (``MCMC.run`` passes new ones to each run: a new run opens a new
+            batch, unless it has no arguments).
         seed: base seed of the chains' generators; ``None`` (and in a worker process of Pyro's
             parallel driver, which seeds each worker): drawn from torch's global generator.
             ``j`` counts the chains this kernel object has started, across ``MCMC`` runs: a
