@@ -108,7 +108,7 @@ def test_prior_precision_takes_tensors_and_numpy_scalars_and_its_setter_refits()
 def test_nothing_is_accepted_and_then_ignored():
     net, *_ = classifier()
     lik = likelihoods.Categorical()
-    with pytest.raises(TypeError, match="sigma_noise: .*Gaussian\\(sigma="):
+    with pytest.raises(ValueError, match="sigma_noise: only for a Gaussian"):  # classification
         Laplace(net, lik, "last_layer", sigma_noise=0.1, hessian_structure="full")
     with pytest.raises(TypeError, match="subnetwork_indices: .*subset_of_weights"):
         Laplace(net, lik, "subnetwork", subnetwork_indices=torch.arange(5), hessian_structure="full")
