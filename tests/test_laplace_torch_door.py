@@ -165,3 +165,50 @@ def test_reward_modeling_equals_laplace_torch(structure):
         assert float((a - b).abs().max() / b.abs().max()) < 1e-6
     a, b = ours.log_marginal_likelihood(), theirs.log_marginal_likelihood()
     assert abs(float(a - b)) < 1e-6 * abs(float(b))
+
+
+@pytest.mark.parametrize("structure", ["full", "diag", "kron", "lowrank"])
+def test_the_joint_predictive_is_the_stacked_linearisation(structure):
+    """laplace-torch's ``la(x, joint=True)``: ``f_mu`` ``(N·O,)`` and ``J Σ Jᵀ`` ``(N·O, N·O)``
+    over all pairs of test points; its diagonal blocks are the marginal ``la(x)``'s."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 6), nn.Tanh(), nn.Linear(6, 2)).to(F64)
+    x, y = torch.randn(25, 2, dtype=F64), torch.randn(25, 2, dtype=F64)
+    x_test = torch.randn(4, 2, dtype=F64)
+    kw = {"rank": 6} if structure == "lowrank" else {}
+    la = infer.Laplace(net, "regression", "all", structure, prior_precision=LAM, sigma_noise=0.5, **kw)
+    la.fit(x, y)
+    f_mu, f_cov = la(x_test, joint=True)
+    assert f_mu.shape == (8,) and f_cov.shape == (8, 8)
+    params = dict(net.named_parameters())
+    jac = torch.func.jacrev(lambda p: torch.func.functional_call(net, p, (x_test,)))(params)
+    j = torch.cat([jac[n].reshape(8, -1) for n in params], -1)
+    sigma = torch.linalg.inv(la.guide.posterior.precision().to(F64))
+    torch.testing.assert_close(f_cov, j @ sigma @ j.T, rtol=1e-9, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(f_mu, net(x_test).reshape(-1))
+    _, marginal = la(x_test)
+    blocks = f_cov.reshape(4, 2, 4, 2).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+    torch.testing.assert_close(blocks, marginal, rtol=1e-12, atol=1e-14)
+
+
+def test_the_joint_predictive_is_refused_where_laplace_torch_ignores_it():
+    net, x, y = _classifier()
+    la = infer.Laplace(net, "classification", "all", "full").fit(x, y)
+    with pytest.raises(ValueError, match="^joint: .*regression"):
+        la(x, joint=True)
+
+
+def test_functional_samples_draw_the_linearised_outputs():
+    net, x, y = _regressor()
+    la = infer.Laplace(net, "regression", "all", "full", prior_precision=LAM, sigma_noise=0.5).fit(x, y)
+    f_mu, f_var = la(x[:5])
+    draws = la.functional_samples(x[:5], n_samples=4000, generator=torch.Generator().manual_seed(0))
+    assert draws.shape == (4000, 5, 1)
+    se = (f_var[:, 0, 0] / 4000).sqrt()
+    assert bool(((draws.mean(0)[:, 0] - f_mu[:, 0]).abs() < 4 * se).all())
+    # the variance's standard error for Gaussian draws: var · √(2/(S−1))
+    assert bool(((draws.var(0)[:, 0] - f_var[:, 0, 0]).abs() < 4 * f_var[:, 0, 0] * (2 / 3999) ** 0.5).all())
+    same = la.functional_samples(x[:5], n_samples=3, generator=torch.Generator().manual_seed(1))
+    again = la.functional_samples(x[:5], n_samples=3, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(same, again)

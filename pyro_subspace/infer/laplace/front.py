@@ -28,7 +28,7 @@ from ...nn import SubspaceNet
 from ...subspaces import IndexSubspace, LastLayerSubspace, Subspace, subnetwork
 from ...transaction import transaction
 from .guide import AutoSubspaceLaplace
-from .predictive import linearized_moments, linearized_variances
+from .predictive import joint_moments, linearized_moments, linearized_variances
 from .posteriors import check_structure
 from .tuning import optimize_prior_precision
 
@@ -341,8 +341,20 @@ class NetLaplace(nn.Module):
                 "la: called inside a Pyro handler (Predictive, SVI): this object predicts; the "
                 "Pyro guide is la.guide, e.g. Predictive(la.model, guide=la.guide)"
             )
-        _check_prediction_keywords(pred_type, joint, n_samples, diagonal_output, generator, fitting)
+        pred_type, link_approx = enum_value(pred_type), enum_value(link_approx)
+        _check_prediction_keywords(pred_type, False, n_samples, diagonal_output, generator, fitting)
         lik, dtype = self.model.likelihood, self.model.subspace.shift.dtype
+        regression = self.reward_modeling or lik.noise_scale_tunable or isinstance(lik, Gaussian)
+        ck.choice(joint, "joint", (True, False))
+        if joint:  # laplace-torch: the GP-form joint predictive, regression and glm only
+            if not regression or pred_type != "glm":
+                raise ValueError(
+                    "joint: the joint predictive N([f(x_1), ...], Cov[f(x_1), ...]) is for "
+                    "regression with pred_type='glm' (laplace-torch ignores it otherwise); "
+                    "leave joint=False"
+                )
+            f_mu, f_cov = joint_moments(self.guide, x)
+            return _to_net_dtype((f_mu, f_cov), dtype)
         if self.reward_modeling:  # fitted as classification, predicts the scores as regression
             regression = Gaussian()  # its glm and nn outputs: the moments, without σ²
             if pred_type == "nn":
@@ -384,6 +396,25 @@ class NetLaplace(nn.Module):
         """``(S, N, O)`` draws of the outputs from the linearised (``"glm"``) or the network's
         (``"nn"``: weights drawn, network run) predictive; classification: their softmax
         ``(S, N, C)``. ``diagonal_output``: glm draws with independent outputs."""
+        samples = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator)
+        if self.reward_modeling:  # predicts the scores as regression
+            return samples
+        out = self.model.likelihood.predictive_samples(samples.double())
+        return _to_net_dtype(out, self.model.subspace.shift.dtype)
+
+    def functional_samples(
+        self,
+        x: torch.Tensor,
+        pred_type: str = "glm",
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """laplace-torch's ``functional_samples``: ``(S, N, O)`` draws of the network's outputs
+        ``f`` (before any link), from the linearised predictive ``N(f(x), J Σ Jᵀ)`` per point
+        (``"glm"``; ``diagonal_output``: independent outputs) or at weight draws ``ŵ + P t``
+        (``"nn"``); for Thompson sampling or any expectation over ``f``."""
+        pred_type = enum_value(pred_type)
         _check_prediction_keywords(pred_type, False, n_samples, diagonal_output, generator, False)
         if pred_type == "nn":
             samples = self._nn_samples(x, n_samples, generator)
@@ -392,8 +423,7 @@ class NetLaplace(nn.Module):
             if diagonal_output:
                 f_var = torch.diag_embed(f_var.diagonal(dim1=-2, dim2=-1))
             samples = gaussian_draws(f_mu, f_var, n_samples, generator)
-        out = self.model.likelihood.predictive_samples(samples)
-        return _to_net_dtype(out, self.model.subspace.shift.dtype)
+        return _to_net_dtype(samples, self.model.subspace.shift.dtype)
 
     def _nn_samples(self, x, n_samples: int, generator) -> torch.Tensor:
         """Outputs ``(S, N, O)`` of the network at ``S`` weight draws."""
@@ -842,10 +872,7 @@ def _as_scalar(value: object, name: str) -> torch.Tensor | float:
 def _check_prediction_keywords(pred_type, joint, n_samples, diagonal_output, generator, fitting):
     ck.choice(pred_type, "pred_type", ("glm", "nn"))
     if joint:
-        raise ValueError(
-            "joint: the joint predictive over all test points is not available; leave "
-            "joint=False (per-point output covariances)"
-        )
+        raise ValueError("joint: only la(x, joint=True) takes it; leave it out here")
     if fitting:
         raise ValueError("fitting: laplace-torch's internal flag; leave it False")
     ck.positive_int(n_samples, "n_samples")

@@ -13,6 +13,7 @@ from pyro.infer.autoguide import AutoGuide
 from ... import batch as batching
 from ... import validation as ck
 from ...data import DataSource
+from ...flat import FlatNet
 
 
 def _check_guide(guide: object):
@@ -52,6 +53,32 @@ def linearized_moments(
     """
     f_mean, f_cov = _moments(_check_guide(guide), x, chunk_size, diagonal)
     return f_mean, torch.diag_embed(f_cov) if diagonal else f_cov
+
+
+def joint_moments(
+    guide: AutoGuide, x: torch.Tensor, chunk_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The joint linearised predictive over all the rows of ``x`` (laplace-torch's
+    ``joint=True``, the GP form ``N([f(x_1), …], Cov[f(x_1), …])``): ``f_mean`` ``(N·O,)`` and
+    ``J Σ Jᵀ`` ``(N·O, N·O)``, float64, ``J`` ``(N·O, K)`` the stacked Jacobians of the
+    subspace's coordinates (eqs. 11–12 over every pair of points). Memory ``N·O·(K + N·O)``:
+    for a few hundred test points, as laplace-torch's."""
+    guide = _check_guide(guide)
+    guide.model.check_data(x)
+    ck.positive_int(chunk_size, "chunk_size", allow_none=True)
+    chunk = guide.chunk_size if chunk_size is None else chunk_size
+    model, posterior = guide.model, guide.posterior
+    w = model.subspace.weights(guide.loc).detach()
+    flat = FlatNet(model.flat.net, batch_strategy="loop")
+    inputs = [x] if isinstance(x, torch.Tensor) or batching.is_mapping(x) else DataSource(x, None, chunk).inputs()
+    outs, jacs = [], []
+    for xc in inputs:
+        for out, jp in model.subspace.jacobian_blocks(flat, xc, w, chunk):
+            outs.append(out.double()), jacs.append(jp)
+    jac = torch.cat(jacs).to(posterior.buffer_dtype)  # (N, O, K)
+    n, o, k = jac.shape
+    f_cov = posterior.functional_covariance(jac.reshape(1, n * o, k))[0]
+    return torch.cat(outs).reshape(-1), f_cov.double()
 
 
 def linearized_variances(
