@@ -635,11 +635,11 @@ def test_normalisation_layers_of_a_cnn_get_the_exact_ggn_diagonal(norm, device):
 
 def test_the_channels_last_pass_gives_the_nchw_factors_and_leaves_the_inputs_alone(monkeypatch):
     """On CPU the expand K-FAC pass of a CNN runs on channels-last copies of the input chunks
-    (`kfac.CHANNELS_LAST_ON_CPU`): the same factors as the NCHW pass (float64: rounding), a
-    BatchNorm's diagonal included, and the user's inputs and weights keep their layout."""
+    (`kfac.factors.CHANNELS_LAST_ON_CPU`): the same factors as the NCHW pass (float64: rounding),
+    a BatchNorm's diagonal included, and the user's inputs and weights keep their layout."""
     import importlib
 
-    kfac_module = importlib.import_module("pyro_subspace.curvature.kfac")
+    kfac_module = importlib.import_module("pyro_subspace.curvature.kfac.factors")
     torch.manual_seed(0)
     net = nn.Sequential(
         nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
@@ -697,13 +697,14 @@ class _Branchy(nn.Module):
 
 def test_folded_conv_batchnorm_pairs_give_the_unfolded_factors(monkeypatch, device):
     """After the first chunk, each Conv2d whose output only an eval-mode BatchNorm uses runs as
-    one function with the folded weight (`kfac.FOLD_BATCHNORM`, `_FoldedConvBN`): exactly the
-    pairs that qualify are folded, the factors (the BatchNorm diagonals and the convolutions'
-    G included) equal the unfolded pass's and the exact GGN diagonal of the BatchNorms, and the
-    modules are left without the temporary forwards, also when the pass fails."""
+    one function with the folded weight (`kfac.factors.FOLD_BATCHNORM`, `_FoldedConvBN`):
+    exactly the pairs that qualify are folded, the factors (the BatchNorm diagonals and the
+    convolutions' G included) equal the unfolded pass's and the exact GGN diagonal of the
+    BatchNorms, and the modules are left without the temporary forwards, also when the pass
+    fails."""
     import importlib
 
-    kfac_module = importlib.import_module("pyro_subspace.curvature.kfac")
+    kfac_module = importlib.import_module("pyro_subspace.curvature.kfac.factors")
     torch.manual_seed(0)
     net = _Branchy().double().eval()
     with torch.no_grad():
