@@ -52,9 +52,8 @@ def _arviz() -> Any:
     """arviz, imported on first use: ``import pyro_subspace`` does not pay its import (1.2 s and
     135 MiB with xarray, pandas and matplotlib) unless an export or a LOO is asked for."""
     az = globals().get("az")
-    if az is None:
-        import arviz as az
-
+    if az is None:  # its import (and what it imports) leaves the global generators alone
+        az = rng.import_keeping_state("arviz")
         globals()["az"] = az
     return az
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import rng
 from .validation import check_finite, check_labels
 
 __all__ = ["IN_BETWEEN_CLUSTERS", "TASKS", "TOY_INTERVALS", "Dataset", "diabetes", "digits"]
@@ -241,7 +242,8 @@ def _split(
     """
     test_fraction = _check_fraction(test_fraction)
     classify = task == "classification"
-    from sklearn.model_selection import train_test_split  # scikit-learn on first use
+    # scikit-learn on first use, without its import touching the global generators
+    train_test_split = rng.import_keeping_state("sklearn.model_selection").train_test_split
 
     x_tr, x_te, y_tr, y_te = train_test_split(
         x, y, test_size=test_fraction, random_state=int(seed), stratify=y if classify else None
@@ -270,7 +272,7 @@ def diabetes(seed: int = 0, test_fraction: float = 0.1, standardize: bool = True
     ``standardize``, features and targets are standardised with training statistics
     (``x_mean (10,)``, ``x_std (10,)``, ``y_mean``, ``y_std`` are stored on the result).
     """
-    from sklearn.datasets import load_diabetes
+    load_diabetes = rng.import_keeping_state("sklearn.datasets").load_diabetes
 
     raw = load_diabetes(scaled=False)
     return _split("diabetes", "regression", raw.data, raw.target, seed, test_fraction, standardize)
@@ -282,7 +284,7 @@ def digits(seed: int = 0, test_fraction: float = 0.2, standardize: bool = True) 
     Split with ``train_test_split(..., stratify=y)``; if ``standardize``, pixels are standardised
     with training statistics (always-blank pixels get std 1). Targets are int64 in 0..9.
     """
-    from sklearn.datasets import load_digits
+    load_digits = rng.import_keeping_state("sklearn.datasets").load_digits
 
     raw = load_digits()
     return _split(

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.distributions import Normal
 
+from . import rng
 from .validation import check_int, check_labels, probability
 
 #: `categorical_nll` clamps probabilities to at least this before the log, so a zero probability
@@ -415,7 +416,7 @@ def ood_auroc(probs_in: Tensor, probs_out: Tensor) -> float:
         )
     scores = [1 - p.max(dim=1).values.detach().cpu().double() for p in (p_in, p_out)]
     labels = torch.cat([torch.zeros(p_in.shape[0]), torch.ones(p_out.shape[0])])
-    from sklearn.metrics import roc_auc_score  # scikit-learn on first use
+    roc_auc_score = rng.import_keeping_state("sklearn.metrics").roc_auc_score  # on first use
 
     return float(roc_auc_score(labels.numpy(), torch.cat(scores).numpy()))
 

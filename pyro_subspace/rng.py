@@ -16,6 +16,7 @@ and if the block itself started CUDA, every device is reset to what the caller's
 from __future__ import annotations
 
 import contextlib
+import importlib
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -82,6 +83,14 @@ def preserved(*, numpy: bool = True, python: bool = True) -> Iterator[None]:
         yield
     finally:
         set_state(state)
+
+
+def import_keeping_state(module: str):
+    """``importlib.import_module(module)`` with the global generators put back afterwards: a
+    library imported on first use must not draw from the user's streams (scikit-learn, when
+    rich is installed, imports rich, whose import calls ``random.getrandbits``)."""
+    with preserved():
+        return importlib.import_module(module)
 
 
 @contextlib.contextmanager

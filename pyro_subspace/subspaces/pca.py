@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import rng
 from ..validation import check_int
 from ..flat import FlatNet, check_saved_length, flush_subnormal_
 from .base import Subspace
@@ -299,7 +300,8 @@ def pca(collector: SWACollector, rank: int | str, seed: int | None = 0) -> Subsp
             )
         if seed is None:  # one draw from torch's global generator (torch.manual_seed controls it)
             seed = int(torch.randint(0, 2**31 - 1, ()))
-        from sklearn.utils.extmath import randomized_svd  # scikit-learn on first use
+        extmath = rng.import_keeping_state("sklearn.utils.extmath")  # on first use
+        randomized_svd = extmath.randomized_svd
 
         _, s, vt = randomized_svd(dev.numpy(force=True).astype(np.float64), rank, random_state=seed)
         _check_moved(float(s[0]), floor)
