@@ -4,8 +4,13 @@ A network's weights are written ``w = ŵ + P t``; Pyro's own inference (NUTS, HM
 Predictive) runs over the few coordinates ``t`` while the rest stays at a point estimate.
 """
 
-from . import convert, datasets, distributed, infer, likelihoods, metrics, subspaces
-from .exceptions import ConvergenceWarning, TrainingDivergedError
+from . import batch, convert, datasets, distributed, infer, likelihoods, metrics, subspaces
+from .exceptions import (
+    ConvergenceWarning,
+    SubsamplingError,
+    TrainingDivergedError,
+    UnsupportedModelError,
+)
 from .flat import FlatNet
 from .infer import EllipticalSliceSampler
 from .nn import PatchedNet, SubspaceNet
@@ -19,8 +24,11 @@ __all__ = [
     "EllipticalSliceSampler",
     "FlatNet",
     "PatchedNet",
+    "SubsamplingError",
     "SubspaceNet",
     "TrainingDivergedError",
+    "UnsupportedModelError",
+    "batch",
     "convert",
     "datasets",
     "distributed",
