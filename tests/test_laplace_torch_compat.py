@@ -249,9 +249,8 @@ def test_layerwise_prior_maximises_the_evidence_per_parameter_tensor():
     la.fit(x, y).optimize_prior_precision(method="marglik", prior_structure="layerwise")
     groups = la.parameter_groups()
     assert groups.names == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    lam = la.prior_precision
-    assert lam.shape == (la.n_params,)
-    per_group = torch.stack([lam[groups.sizes_index() == g][0] for g in range(4)])
+    per_group = la.prior_precision  # laplace-torch's shape: one value per parameter tensor
+    assert per_group.shape == (4,)
     log_lam = per_group.log().clone().requires_grad_(True)
     value = regression_evidence(net, x, y, log_lam.exp()[groups.sizes_index()], 0.2)
     (grad,) = torch.autograd.grad(value, log_lam)
@@ -263,7 +262,8 @@ def test_layerwise_prior_maximises_the_evidence_per_parameter_tensor():
     assert float(la.log_marginal_likelihood()) >= float(scalar.log_marginal_likelihood()) - 1e-9
     # laplace-torch's layerwise setter form: one value per parameter tensor
     la.prior_precision = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=F64)
-    assert torch.equal(la.prior_precision[groups.sizes_index() == 2].unique(), torch.tensor([3.0], dtype=F64))
+    assert torch.equal(la.prior_precision, torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=F64))
+    assert torch.equal(la.guide.prior_precision[groups.sizes_index() == 2].unique(), torch.tensor([3.0], dtype=F64))
 
 
 def test_gridsearch_with_a_val_loader_picks_the_best_validation_likelihood():

@@ -212,3 +212,41 @@ def test_functional_samples_draw_the_linearised_outputs():
     same = la.functional_samples(x[:5], n_samples=3, generator=torch.Generator().manual_seed(1))
     again = la.functional_samples(x[:5], n_samples=3, generator=torch.Generator().manual_seed(1))
     assert torch.equal(same, again)
+
+
+def test_n_params_and_prior_precision_have_laplace_torch_shapes():
+    net, x, y = _classifier()
+    d = sum(p.numel() for p in net.parameters())
+    idx = torch.tensor([0, 5, 40, 60])
+    sub = infer.Laplace(net, "classification", idx, "full").fit(x, y)
+    assert sub.n_params == d and sub.n_params_subnet == 4  # SubnetLaplace counts the model
+    last = infer.Laplace(net, "classification", "last_layer", "full").fit(x, y)
+    assert last.n_params == 27
+    la = infer.Laplace(net, "classification", "all", "full", prior_precision=LAM).fit(x, y)
+    assert la.prior_precision.shape == (1,) and float(la.prior_precision) == LAM
+    la.optimize_prior_precision("glm", "marglik", prior_structure="layerwise")
+    assert la.prior_precision.shape == (4,)  # one per parameter tensor
+    la.optimize_prior_precision("glm", "marglik", prior_structure="diag")
+    assert la.prior_precision.shape == (d,)
+
+
+@pytest.mark.parametrize("name, conv", [("CurvlinopsGGN", "expand"), ("AsdlGGN", "expand"), ("BackPackGGN", "backpack")])
+def test_a_ggn_backend_class_is_the_exact_ggn_and_its_conv_convention(name, conv):
+    net, x, y = _classifier()
+    backend = type(name, (), {})  # read by name: laplace-torch is not imported
+    la = infer.Laplace(net, "classification", "all", "kron", backend=backend).fit(x, y)
+    assert la.guide.posterior.conv == conv
+    full = infer.Laplace(net, "classification", "all", "full", backend=backend, prior_precision=LAM).fit(x, y)
+    plain = infer.Laplace(net, "classification", "all", "full", prior_precision=LAM).fit(x, y)
+    torch.testing.assert_close(full.posterior_precision, plain.posterior_precision, rtol=0, atol=0)
+    reduced = infer.Laplace(net, "classification", "all", "kron", asdl_fisher_kwargs={"kfac_approx": "reduce"})
+    assert reduced.guide.posterior.conv == "reduce"
+
+
+def test_empirical_fisher_and_hessian_backends_are_refused_saying_so():
+    net, _, _ = _classifier()
+    for name, match in (("CurvlinopsEF", "empirical Fisher"), ("AsdlHessian", "GGN backends")):
+        with pytest.raises(ValueError, match=f"^backend: {name} .*{match}"):
+            infer.Laplace(net, "classification", backend=type(name, (), {}))
+    with pytest.raises(TypeError, match="^backend_kwargs: only"):
+        infer.Laplace(net, "classification", backend_kwargs={"foo": 1})

@@ -61,6 +61,9 @@ def Laplace(
     damping: bool = False,
     structure_options: dict | None = None,
     sigma_noise: float | None = None,
+    backend: type | None = None,
+    backend_kwargs: dict | None = None,
+    asdl_fisher_kwargs: dict | None = None,
     **strategy_kwargs: object,
 ) -> NetLaplace:
     """A linearised Laplace approximation of ``net`` at its current weights (the MAP).
@@ -76,6 +79,16 @@ def Laplace(
             0.3 does.
         sigma_noise: laplace-torch's ``sigma_noise`` at construction: the Gaussian
             likelihood's ``σ`` (only for regression).
+        backend: a laplace-torch curvature backend class, read by its name (laplace-torch is
+            not imported): its GGN backends (``CurvlinopsGGN``, ``BackPackGGN``, ``AsdlGGN``)
+            all mean the exact GGN here (full, diag, low rank; ``J`` by autodiff), and for
+            ``"kron"`` their ``Conv2d`` convention: ``CurvlinopsGGN`` and ``AsdlGGN``
+            ``conv="expand"``, ``BackPackGGN`` ``conv="backpack"`` (`curvature.kfac`); an
+            empirical-Fisher (``*EF``) or Hessian backend is refused, saying so.
+        backend_kwargs: laplace-torch's; ``{"stochastic": True}`` is the Monte Carlo Fisher
+            of ``"kron"`` (``structure_options={"fisher": "mc"}``); nothing else is accepted.
+        asdl_fisher_kwargs: laplace-torch's; ``{"kfac_approx": "expand" | "reduce"}`` is
+            ``"kron"``'s ``conv``.
         subset_of_weights: ``"last_layer"`` (`LastLayerSubspace` for a final ``nn.Linear``),
             ``"all"`` (every weight that requires grad: frozen parameters keep their values,
             as in laplace-torch), ``"subnetwork"`` (``n_params`` weights chosen by
@@ -138,6 +151,9 @@ def Laplace(
             "scripts get hessian_structure='kron' without damping here too; for Ritter et al.'s "
             "damped factors pass structure_options={'damping': 'ritter'}"
         )
+    structure_options = _backend_options(
+        backend, backend_kwargs, asdl_fisher_kwargs, hessian_structure, structure_options
+    )
     check_structure(hessian_structure, rank, structure_options)
     ck.positive_int(chunk_size, "chunk_size")
     selected = isinstance(subset_of_weights, str) and subset_of_weights == "subnetwork"
@@ -203,6 +219,55 @@ def Laplace(
     if sigma_noise is not None:
         la.sigma_noise = sigma_noise  # a Gaussian likelihood object given with sigma_noise too
     return la
+
+
+#: laplace-torch's GGN backends and their ``Conv2d`` convention for K-FAC
+GGN_BACKENDS = {"CurvlinopsGGN": "expand", "AsdlGGN": "expand", "BackPackGGN": "backpack"}
+
+
+def _backend_options(backend, backend_kwargs, asdl_fisher_kwargs, structure, options) -> dict | None:
+    """``structure_options`` with what laplace-torch's ``backend``, ``backend_kwargs`` and
+    ``asdl_fisher_kwargs`` say (`Laplace`); an error naming the argument for anything this
+    library does not compute."""
+    options = None if options is None else dict(options)
+    given = {}
+    if backend is not None:
+        name = getattr(backend, "__name__", type(backend).__name__)
+        if name.endswith("EF"):
+            raise ValueError(
+                f"backend: {name} is the empirical Fisher, which this library does not compute; "
+                "pass a GGN backend (CurvlinopsGGN, BackPackGGN, AsdlGGN) or leave backend "
+                "out: the curvature here is the exact GGN"
+            )
+        if name not in GGN_BACKENDS:
+            raise ValueError(
+                f"backend: {name} is not one of laplace-torch's GGN backends "
+                f"{tuple(GGN_BACKENDS)} (the Hessian is not computed here); leave backend out: "
+                "the curvature here is the exact GGN"
+            )
+        if structure == "kron":
+            given["conv"] = GGN_BACKENDS[name]
+    for arg, value, known in (
+        ("backend_kwargs", backend_kwargs, {"stochastic"}),
+        ("asdl_fisher_kwargs", asdl_fisher_kwargs, {"kfac_approx"}),
+    ):
+        if value is None:
+            continue
+        if not isinstance(value, dict) or not set(value) <= known:
+            raise TypeError(f"{arg}: only {sorted(known)} is understood here, got {value!r}")
+        if structure != "kron":
+            raise ValueError(f"{arg}: only for hessian_structure='kron', got {structure!r}")
+    if backend_kwargs is not None and backend_kwargs.get("stochastic"):
+        given["fisher"] = "mc"
+    if asdl_fisher_kwargs is not None and "kfac_approx" in asdl_fisher_kwargs:
+        given["conv"] = ck.choice(enum_value(asdl_fisher_kwargs["kfac_approx"]),
+                                  "asdl_fisher_kwargs['kfac_approx']", ("expand", "reduce"))
+    for key, value in given.items():
+        if options is not None and key in options and options[key] != value:
+            raise ValueError(
+                f"structure_options: {key}={options[key]!r} contradicts the backend's {value!r}"
+            )
+    return {**given, **(options or {})} or None
 
 
 #: laplace-torch's likelihood names
@@ -586,7 +651,7 @@ class NetLaplace(nn.Module):
             if structure != "scalar":
                 groups = self.parameter_groups()
                 ours["groups"] = (
-                    groups.sizes_index() if structure == "layerwise" else torch.arange(self.n_params)
+                    groups.sizes_index() if structure == "layerwise" else torch.arange(self.model.rank)
                 )
             if n_steps is not None or lr is not None:
                 ours["adam"] = (100 if n_steps is None else n_steps, 0.1 if lr is None else lr)
@@ -663,12 +728,21 @@ class NetLaplace(nn.Module):
 
     @property
     def prior_precision(self) -> torch.Tensor:
-        """``λ``: 0-d when shared by all weights, else ``(K,)`` (the model's prior, or the value
-        `log_marginal_likelihood` wrote back); setting it re-forms ``Σ``."""
+        """``λ`` in laplace-torch's shapes: ``(1,)`` when shared by all weights, one value per
+        parameter tensor of the subset when it is constant within each (a layerwise prior),
+        else ``(K,)`` (the model's prior, or the value `log_marginal_likelihood` wrote back);
+        setting it (a number or any of these shapes) re-forms ``Σ``."""
         pending = self.__dict__["_pending"].get("prior_precision")
-        if pending is not None:
-            return pending.clone()
-        return self._modules["guide"].prior_precision
+        lam = pending.clone() if pending is not None else self._modules["guide"].prior_precision
+        if lam.dim() == 0:
+            return lam.reshape(1)
+        if not isinstance(self.model.subspace, IndexSubspace):
+            return lam
+        index = self.parameter_groups().sizes_index().to(lam.device)
+        first = torch.zeros(int(index.max()) + 1, dtype=torch.long, device=lam.device)
+        first.scatter_reduce_(0, index, torch.arange(len(index), device=lam.device), "amin", include_self=False)
+        per_group = lam[first]
+        return per_group if torch.equal(per_group[index], lam) else lam
 
     @prior_precision.setter
     def prior_precision(self, value: float | torch.Tensor) -> None:
@@ -750,7 +824,18 @@ class NetLaplace(nn.Module):
 
     @property
     def n_params(self) -> int:
-        """``K``, the number of weights with a posterior."""
+        """laplace-torch's ``n_params``: the network's trainable weights ``D`` for ``"all"``, a
+        ``"subnetwork"`` or flat indices (as its ``SubnetLaplace`` counts them; the ``K`` with
+        a posterior are `n_params_subnet`), the last layer's weights for ``"last_layer"``, and
+        ``K`` for any other `Subspace`."""
+        sub = self.model.subspace
+        if isinstance(sub, IndexSubspace) and not isinstance(sub, LastLayerSubspace):
+            return sub.dim
+        return sub.rank
+
+    @property
+    def n_params_subnet(self) -> int:
+        """``K``, the number of weights with a posterior (laplace-torch's ``SubnetLaplace``)."""
         return self.model.rank
 
     @property
@@ -953,7 +1038,6 @@ def _describe(subset: object) -> str:
 #: laplace-torch keywords with no counterpart here, and what to do instead
 _LT_KEYWORDS = {
     "subnetwork_indices": "pass the flat indices as subset_of_weights",
-    "backend": "there are no curvature backends: the GGN is exact (Jacobian products)",
     "prior_mean": "the prior is N(0, 1/prior_precision I) on the weights (what weight "
     "decay trains); for another prior build AutoSubspaceLaplace(SubspaceNet(...), prior_mean=)",
     "temperature_scaling": "pass temperature=T",
