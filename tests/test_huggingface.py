@@ -291,3 +291,71 @@ def test_a_fully_trainable_gpt2_keeps_kfac_on_every_conv1d():
     for b in factors.blocks:
         kinds.setdefault(b.module, []).append(b.kind)
     assert all(kinds[name] == ["kron", "full"] for name in conv1d)  # weight, bias
+
+
+def _causal_lm(kind: str) -> nn.Module:
+    """A tiny causal LM of ``kind`` with a LoRA adapter, float64, eval mode."""
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(
+            n_layer=2, n_embd=16, n_head=2, n_positions=16, vocab_size=VOCAB, bos_token_id=1,
+            eos_token_id=1, pad_token_id=0,
+        )  # fmt: skip
+        base, targets = transformers.GPT2LMHeadModel(cfg), ["c_attn"]
+    else:
+        cfg = transformers.LlamaConfig(
+            hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            intermediate_size=32, max_position_embeddings=16, vocab_size=VOCAB, bos_token_id=1,
+            eos_token_id=1, pad_token_id=0,
+        )  # fmt: skip
+        base, targets = transformers.LlamaForCausalLM(cfg), ["q_proj", "v_proj"]
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=targets, task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.3)
+    return model.to(F64).eval()
+
+
+@pytest.mark.parametrize("answers", [None, [5, 7, 11]])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_causal_lm_likelihood_is_the_last_tokens_categorical(kind, answers):
+    """`LastToken` + `Categorical`: ``log p(y | x)`` and the GGN of the adapter against each
+    sequence run alone and unpadded, its logits at the last token (restricted to the answer
+    tokens) by hand."""
+    from pyro_subspace import SubspaceNet, subspaces
+    from pyro_subspace.nn import LastToken
+
+    lm = _causal_lm(kind)
+    net = LastToken(lm, answers)
+    x, _, _ = _data()
+    classes = VOCAB if answers is None else len(answers)
+    y = torch.randint(0, classes, (N,), generator=torch.Generator().manual_seed(3))
+
+    def by_hand(row: dict) -> torch.Tensor:
+        logits = lm(**row).logits[0, -1]
+        return logits if answers is None else logits[answers]
+
+    with torch.no_grad():
+        want = sum(float(torch.log_softmax(by_hand(_row(x, i, trim=True)), -1)[y[i]]) for i in range(N))
+    sub = subspaces.random(net, rank=2, seed=0)
+    got = SubspaceNet(net, sub, likelihoods.Categorical()).evaluator(x, y).log_likelihood(torch.zeros(2, dtype=F64))
+    assert abs(got - want) < 1e-10 * abs(want)
+    # the Laplace GGN over the adapter (full) against brute-force Jacobians of each sequence
+    named = flat_parameters(net)
+    params = [p.detach() for _, p in named]
+    theta = torch.cat([p.reshape(-1) for p in params])
+
+    def logits_at(th, row):
+        parts = th.split([p.numel() for p in params])
+        return functional_call(net, {n: t.reshape(p.shape) for (n, p), t in zip(named, parts)}, (), row)[0]
+
+    ggn = torch.zeros(theta.numel(), theta.numel(), dtype=F64)
+    for i in range(N):
+        row = _row(x, i, trim=True)
+        j = jacrev(logits_at)(theta, row)
+        p = torch.softmax(logits_at(theta, row), -1)
+        ggn += j.T @ (torch.diag(p) - torch.outer(p, p)) @ j
+    la = infer.Laplace(net, likelihoods.Categorical(), "all", "full", prior_precision=LAM).fit(x, y)
+    prec = la.posterior_precision - LAM * torch.eye(theta.numel(), dtype=F64)
+    assert float((prec - ggn).abs().max() / ggn.abs().max()) < EXACT
