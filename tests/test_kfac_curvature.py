@@ -633,6 +633,20 @@ def test_normalisation_layers_of_a_cnn_get_the_exact_ggn_diagonal(norm, device):
     assert rel(block.diagonal, block_of(exact, block).diagonal()) < 1e-10
 
 
+def _image_body(seed=0, act=nn.Tanh):
+    """A CNN on images ``(N, 2, 8, 8)``: padded and strided convolutions, the first followed by
+    an eval-mode BatchNorm (folded into it after the first chunk), a Linear head."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), act(),
+        nn.Conv2d(4, 3, 3, stride=2), act(), nn.Flatten(), nn.Linear(3 * 3 * 3, 3),
+    ).double().eval()  # fmt: skip
+    with torch.no_grad():
+        net[1].running_mean.uniform_(-0.5, 0.5)
+        net[1].running_var.uniform_(0.5, 2.0)
+    return net
+
+
 def test_the_channels_last_pass_gives_the_nchw_factors_and_leaves_the_inputs_alone(monkeypatch):
     """On CPU the expand K-FAC pass of a CNN runs on channels-last copies of the input chunks
     (`kfac.factors.CHANNELS_LAST_ON_CPU`): the same factors as the NCHW pass (float64: rounding),
@@ -640,14 +654,7 @@ def test_the_channels_last_pass_gives_the_nchw_factors_and_leaves_the_inputs_alo
     import importlib
 
     kfac_module = importlib.import_module("pyro_subspace.curvature.kfac.factors")
-    torch.manual_seed(0)
-    net = nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-        nn.Conv2d(4, 3, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 3 * 3, 3),
-    ).double().eval()  # fmt: skip
-    with torch.no_grad():
-        net[1].running_mean.uniform_(-0.5, 0.5)
-        net[1].running_var.uniform_(0.5, 2.0)
+    net = _image_body(0, nn.ReLU)
     x = torch.randn(9, 2, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(1))
     lik = likelihoods.Categorical()
     factors, layouts = {}, {}
@@ -667,6 +674,169 @@ def test_the_channels_last_pass_gives_the_nchw_factors_and_leaves_the_inputs_alo
     torch.testing.assert_close(dense[True], dense[False], rtol=1e-12, atol=0)
     assert x.is_contiguous() and all(p.is_contiguous() for p in net.parameters())
 
+
+# ------------------------------------------------------------------ inputs the network shapes
+
+
+class _ViewsItsInput(nn.Module):
+    """The image body on whatever rows it is given, shaped by ``x.view(len(x), 2, 8, 8)``."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x):
+        return self.body(x.view(x.shape[0], 2, 8, 8))
+
+
+class _ViewFlatten(nn.Module):
+    """``h.view(len(h), -1)``: what a user writes instead of ``nn.Flatten``."""
+
+    def forward(self, h):
+        return h.view(h.shape[0], -1)
+
+
+def _shaped_nets():
+    """``{name: (net, its inputs)}`` of networks that shape their inputs into the images of
+    `_image_body` (the same modules), with the images ``(9, 2, 8, 8)`` they all equal."""
+    body = _image_body()
+    x = torch.randn(9, 2, 8, 8, generator=torch.Generator().manual_seed(2), dtype=F64)
+    viewed = nn.Sequential(*body[:5], _ViewFlatten(), body[6])
+    return x, body, {
+        "flat rows, nn.Unflatten": (nn.Sequential(nn.Unflatten(1, (2, 8, 8)), body), x.flatten(1)),
+        "rank 3, viewed": (_ViewsItsInput(body), x.reshape(9, 2, 64)),
+        "rank 5, viewed": (_ViewsItsInput(body), x.reshape(9, 1, 2, 8, 8)),
+        "conv outputs viewed": (viewed, x),
+    }
+
+
+@pytest.mark.parametrize("conv", ["expand", "reduce", "backpack"])
+@pytest.mark.parametrize("name", list(_shaped_nets()[2]))
+def test_a_cnn_that_shapes_its_inputs_gets_the_factors_of_its_images(name, conv):
+    """A CNN fed flat rows it unflattens (scikit-learn's digits), inputs of rank 3 or 5 it
+    views as images, or images whose convolutions' outputs it flattens with ``.view`` (not
+    possible on the channels-last layout the pass prefers on CPU, so it keeps the user's
+    there): no crash, no layer demoted to a diagonal, and the factors of the same modules fed
+    the images directly (the channels-last pass on CPU)."""
+    x, body, nets = _shaped_nets()
+    net, inputs = nets[name]
+    before = inputs.clone()
+    lik = likelihoods.Categorical()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "gets the exact GGN diagonal instead of K-FAC"
+        got = kfac(net, lik, inputs, conv=conv, chunk_size=4)
+    want = kfac(body, lik, x, conv=conv, chunk_size=4)
+    kinds = ["kron", "full", "diagonal", "kron", "full", "kron", "full"]
+    assert [b.kind for b in got.blocks] == [b.kind for b in want.blocks] == kinds
+    for b, w in zip(got.blocks, want.blocks):
+        assert torch.equal(b.index, w.index)
+        for f in ("G", "A", "diagonal"):
+            if getattr(w, f) is not None:
+                assert rel(getattr(b, f), getattr(w, f)) < 1e-12, (b.module, f)
+    assert torch.equal(inputs, before) and inputs.is_contiguous()
+
+
+class _RefusesItsInput(nn.Module):
+    """A CNN whose forward raises an error of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3).double()
+
+    def forward(self, x):
+        raise RuntimeError("the network's own error")
+
+
+def test_the_network_s_own_error_is_not_taken_for_the_layout_s():
+    """The pass tries the channels-last layout and falls back to the user's when the network
+    raises: an error the network raises in its own layout too still reaches the caller."""
+    x = torch.randn(3, 2, 5, 5, dtype=F64)
+    with pytest.raises(RuntimeError, match="the network's own error"):
+        kfac(_RefusesItsInput(), likelihoods.Categorical(), x)
+
+
+class _Decoder(nn.Module):
+    """A Linear whose output is viewed as images for the convolutions: ``(N, 5) → (N, 2, 8, 8)``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.inp = nn.Linear(5, 2 * 8 * 8).double()
+        self.body = nn.Sequential(*(m for m in _image_body(4) if not isinstance(m, nn.BatchNorm2d)))
+
+    def forward(self, x):
+        return self.body(torch.tanh(self.inp(x)).view(x.shape[0], 2, 8, 8))
+
+
+class _ChannelsAsImages(nn.Module):
+    """Each input channel viewed as an image of its own, ``(N, 2, 8, 8) → (2N, 1, 8, 8)``: a
+    convolution with twice as many rows as data points, joined again for the head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.conv = nn.Conv2d(1, 3, 3).double()
+        self.head = nn.Linear(2 * 3 * 6 * 6, 3).double()
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x.view(-1, 1, 8, 8)))
+        return self.head(h.reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("make, shape", [(_Decoder, (9, 5)), (_ChannelsAsImages, (9, 2, 8, 8))])
+def test_a_conv2d_fed_by_a_reshape_matches_curvlinops(make, shape):
+    """A Conv2d fed by a reshape in the middle of the network (a Linear's output viewed as
+    images; a 4-D input viewed as more images than data points): the expand factors equal
+    curvlinops' ``KFACLinearOperator`` (type-2, summed cross-entropy), factor by factor."""
+    curvlinops = pytest.importorskip("curvlinops", reason="a comparison only")
+    net = make()
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(7), dtype=F64)
+    y = torch.zeros(shape[0], dtype=torch.long)
+    op = curvlinops.KFACLinearOperator(
+        net, nn.CrossEntropyLoss(reduction="sum"), list(net.parameters()), [(x, y)],
+        fisher_type="type-2", kfac_approx="expand", check_deterministic=False,
+    )  # fmt: skip
+    op.compute_kronecker_factors()
+    ours = kfac(net, likelihoods.Categorical(), x, chunk_size=4)
+    kron = [b for b in ours.blocks if b.kind == "kron"]
+    assert [b.module for b in kron] == list(op._input_covariances)
+    for b in kron:
+        torch.testing.assert_close(b.A, op._input_covariances[b.module], rtol=1e-10, atol=0)
+        torch.testing.assert_close(b.G, op._gradient_covariances[b.module], rtol=1e-10, atol=1e-14)
+
+
+class _SequenceFirst(nn.Module):
+    """A LayerNorm on the sequence-first layout ``(L, N, d)`` of inputs ``(N, L, d)`` (as
+    ``nn.TransformerEncoderLayer(batch_first=False)`` wants them): its rows are positions, each
+    mixing every data point, whatever their number."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(6)
+        self.norm, self.head = nn.LayerNorm(3).double(), nn.Linear(12, 2).double()
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        h = self.norm(x.transpose(0, 1)).transpose(0, 1)
+        return self.head(torch.tanh(h).reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("n, chunk", [(4, 4), (5, 4), (8, 4)])
+def test_a_module_whose_rows_are_not_data_points_gets_the_exact_diagonal(n, chunk):
+    """The per-sample pull-back through a diagonal module alone assumes its input's rows are
+    the data points; a LayerNorm on sequence-first rows (``L = 4`` positions) has as many rows
+    as a chunk of 4 points, yet each row mixes them: its block is still the exact GGN diagonal
+    (brute-force Jacobians), also for the chunks after the first."""
+    net = _SequenceFirst()
+    x = torch.randn(n, 4, 3, generator=torch.Generator().manual_seed(n), dtype=F64)
+    lik = likelihoods.Categorical()
+    factors = kfac(net, lik, x, chunk_size=chunk)
+    block = next(b for b in factors.blocks if b.kind == "diagonal")
+    assert block.params == ("norm.weight", "norm.bias")
+    exact = exact_ggn(net, lik, x)
+    assert rel(block.diagonal, block_of(exact, block).diagonal()) < 1e-10
 
 class _Branchy(nn.Module):
     """Conv+BatchNorm pairs to fold (with and without a convolution bias, stride 2, the first

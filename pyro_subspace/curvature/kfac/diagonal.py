@@ -17,13 +17,26 @@ from .layers import _Layer
 
 def _usable_local(m: _Layer, calls: list, n: int) -> bool:
     """A diagonal module whose own Jacobian can be taken per sample: called once per forward on
-    a tensor of ``n`` rows, giving a tensor of ``n`` rows."""
+    a tensor of ``n`` rows, giving a tensor of ``n`` rows. (The pass asks it at a chunk's ``n``
+    and at one row: rows that are positions of a sequence-first layout, each mixing the data
+    points, may number ``n`` by chance, but not also one for one data point.)"""
     return (
         len(calls) == 1
         and calls[0][0] is not None
         and calls[0][0].shape[:1] == (n,)
         and calls[0][1].shape[:1] == (n,)
     )
+
+
+def _check_local_calls(local: list[_Layer], seen: dict, n: int) -> None:
+    """Each module of the per-sample route still sees the chunk's ``n`` rows, else a
+    ``ValueError`` (its rows would no longer be the data points)."""
+    for m in local:
+        if not _usable_local(m, seen[m.name], n):
+            raise ValueError(
+                f"net: module {m.name!r} took one row per data point on the first chunk, not "
+                f"on a chunk of {n} rows"
+            )
 
 
 def _local_diagonal_sums(m: _Layer, inp, cols: list, names: list, sums: dict) -> None:

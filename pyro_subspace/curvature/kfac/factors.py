@@ -19,7 +19,12 @@ from ..jacobians import as_2d
 from ..output_hessian import hessian_factor
 from .blocks import KronFactors, _assemble
 from .convolution import _grad_gram, _input_sum
-from .diagonal import _diagonal_sums, _local_diagonal_sums, _usable_local
+from .diagonal import (
+    _check_local_calls,
+    _diagonal_sums,
+    _local_diagonal_sums,
+    _usable_local,
+)
 from .fold import _affine_batchnorm, _Fold, _fold_pairs, _identity, _uses_running_stats
 from .layers import _check_calls, _check_modules, _fill_zeros, _Layer, _plan, _settle
 from .mc import _check_generator, _mc_factor
@@ -49,7 +54,8 @@ MIN_PASS_ROWS = 64
 
 #: On CPU, with the ``"expand"`` convention, a network with a ``Conv2d`` runs the K-FAC pass on
 #: a channels-last copy of each chunk of 4-D inputs (the user's inputs and network are
-#: untouched): the convolutions then work in NHWC, whose input-gradient kernels (the ``C``
+#: untouched; a network that cannot take that layout, one that views its input or a
+#: convolution's output, gets the pass in its own, `_channels_last_forward`): the convolutions then work in NHWC, whose input-gradient kernels (the ``C``
 #: backward passes) run up to 4 times faster than the NCHW ones on this machine's CPU (a 16→32,
 #: stride-2 convolution at 32×32: 6.2 against 24.5 ms), and the expand A factor's channels-last
 #: row patches become a cheap copy (``"reduce"``'s ``F.unfold`` wants NCHW: 10% slower there).
@@ -166,18 +172,31 @@ def kfac(
     with eval_mode(net), torch.enable_grad():
         for xs, ys in source:
             xs = batching.to_device(xs, device)
-            if first and batching.rows(xs):  # the chunk, or fewer rows where a layer's output is large
-                chunk_size = _rows_per_pass(net, layers + local, xs, chunk_size)
+            if first and batching.rows(xs):  # a forward pass of one row, before the first chunk
+                probe = _one_row_pass(net, layers + local, xs)
+                # the chunk, or fewer rows where a layer's output is large
+                chunk_size = _rows_per_pass(probe, chunk_size)
             ycs = ys.split(chunk_size) if ys is not None else None
             for i, xc in enumerate(batching.split(xs, chunk_size)):
-                if nhwc and isinstance(xc, torch.Tensor) and xc.dim() == 4:  # channels last: the C backward passes' convolutions run faster on CPU
-                    xc = xc.contiguous(memory_format=torch.channels_last)
                 links: dict | None = {} if first and FOLD_BATCHNORM else None
-                out, seen = _hooked_forward(net, layers + local, xc, folds, links)
+                out = None
+                if nhwc and isinstance(xc, torch.Tensor) and xc.dim() == 4:
+                    # channels last: the C backward passes' convolutions run faster on CPU,
+                    # if the network takes that layout (not where it views its input or a
+                    # convolution's output: then the user's layout, from now on)
+                    out, seen = _channels_last_forward(net, layers + local, xc, folds, links)
+                    nhwc = out is not None
+                if out is None:
+                    out, seen = _hooked_forward(net, layers + local, xc, folds, links)
+                n = batching.rows(xc)
                 if first:
                     layers = _settle(layers, seen, diagonal, diag_sums)
-                    local = [m for m in local if _usable_local(m, seen[m.name], batching.rows(xc))]
-                    first = False
+                    # rows that are the data points (one row in the one-row pass, too)
+                    local = [
+                        m for m in local
+                        if _usable_local(m, seen[m.name], n) and _usable_local(m, probe[m.name], 1)
+                    ]  # fmt: skip
+                    first, probe = False, None
                     keep = {lay.name for lay in layers} | {m.name for m in local}
                     seen = {k: v for k, v in seen.items() if k in keep}
                     if links:  # the next chunks run each Conv2d + BatchNorm pair as one
@@ -185,6 +204,7 @@ def kfac(
                         folds = _fold_pairs(once, local, links, out)
                     links = None
                 _check_calls(layers, seen)
+                _check_local_calls(local, seen, n)
                 out2 = as_2d(out)
                 if on_outputs is not None:
                     on_outputs(out2.detach(), None if ycs is None else ycs[i])
@@ -220,7 +240,7 @@ def kfac(
                 for f in folds.values():
                     f.pre = f.scale = None
                 del out, seen
-                count += batching.rows(xc)
+                count += n
 
     _fill_zeros(layers, diag_sums, named, device)  # a shard without rows adds zeros
     # one all_reduce over the ranks for every sum (float64)
@@ -292,11 +312,37 @@ def _hooked_forward(
     return out, seen
 
 
-def _rows_per_pass(net: nn.Module, layers: list[_Layer], x: torch.Tensor, chunk: int) -> int:
-    """``chunk``, or fewer rows so that no K-FAC layer's output holds more than `PASS_NUMBERS`
-    numbers (measured by a forward pass of one row), but not fewer than `MIN_PASS_ROWS`."""
+def _channels_last_forward(
+    net: nn.Module, layers: list[_Layer], x: torch.Tensor, folds: dict, links: dict | None
+):
+    """`_hooked_forward` on a channels-last copy of the 4-D inputs ``x``, or ``(None, None)``
+    where the network does not take that layout (it raised: ``.view`` of its input or of a
+    convolution's output, whose strides are no longer those of a contiguous tensor, or a check
+    of its own); the caller then runs the pass on ``x`` as it is (an error of the network's
+    own is raised there)."""
+    fast = x.contiguous(memory_format=torch.channels_last)
+    try:
+        return _hooked_forward(net, layers, fast, folds, links)
+    except Exception:
+        if fast is x:  # already the user's layout: the network's own error
+            raise
+        if links:
+            links.clear()
+        for f in folds.values():  # what a folded convolution kept of the failed pass
+            f.pre = f.scale = None
+        return None, None
+
+
+def _one_row_pass(net: nn.Module, layers: list[_Layer], x) -> dict:
+    """`_hooked_forward`'s ``seen`` (every hooked call's input and output) for the first row of
+    ``x``, without gradients."""
     with torch.no_grad():
-        _, seen = _hooked_forward(net, layers, batching.take(x, slice(0, 1)))
+        return _hooked_forward(net, layers, batching.take(x, slice(0, 1)))[1]
+
+
+def _rows_per_pass(seen: dict, chunk: int) -> int:
+    """``chunk``, or fewer rows so that no K-FAC layer's output holds more than `PASS_NUMBERS`
+    numbers (measured by `_one_row_pass`'s ``seen``), but not fewer than `MIN_PASS_ROWS`."""
     widest = max(
         (z.numel() for calls in seen.values() for _, z in calls if z is not None), default=1
     )
