@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from pyro_subspace import cli, datasets, distributed
 from pyro_subspace.infer import run_chains
@@ -93,3 +93,101 @@ def test_arviz_helpers_name_what_is_wrong_before_any_work():
     # samples of another model (another K): named before the model runs
     with pytest.raises(ValueError, match="samples\\['mu'\\]: draws of shape \\(3,\\)"):
         to_inference_data(samples={"mu": torch.zeros(5, 3)}, model=model, args=(y,))
+
+
+# ------------------------------------------------------------------ tuning the prior precision
+
+
+class _CountingRows(torch.utils.data.Dataset):
+    """Validation data that counts its reads."""
+
+    def __init__(self, x, y):
+        self.x, self.y, self.reads = x, y, 0
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return self.x[i], self.y[i]
+
+
+def _fitted_laplace():
+    from torch import nn
+
+    from pyro_subspace import SubspaceNet, likelihoods, subspaces
+    from pyro_subspace.infer import AutoSubspaceLaplace
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x = torch.randn(30, 2, dtype=torch.float64)
+    y = torch.randint(0, 3, (30,))
+    model = SubspaceNet(net, subspaces.random(net, 3, seed=0), likelihoods.Categorical())
+    return AutoSubspaceLaplace(model, prior_precision=2.0).fit(x, y), x, y
+
+
+BAD_TUNING = [
+    ({"method": "grid", "grid": "abc"}, TypeError, "grid: .*got str 'abc'"),
+    ({"method": "grid", "grid": [1.0, "a"]}, TypeError, "grid: .*not an array of numbers"),
+    ({"method": "grid", "grid": [[1.0, 2.0], [3.0]]}, TypeError, "grid: .*not an array"),
+    ({"method": "grid", "grid": {"a": 1.0}}, TypeError, "grid: .*got dict"),
+    ({"method": "grid", "grid": [True, False]}, TypeError, "grid: .*torch.bool"),
+    ({"method": "grid", "grid": torch.tensor([1 + 1j])}, TypeError, "grid: .*complex"),
+    ({"method": "grid", "grid": [1.0, 0.0]}, ValueError, "grid: expected positive finite"),
+    ({"method": "marglik", "groups": "abc"}, TypeError, "groups: .*integer labels"),
+    ({"method": "marglik", "groups": [0.5, 1.5, 0.2]}, TypeError, "groups: .*float"),
+    ({"method": "marglik", "groups": [True, False, True]}, TypeError, "groups: .*bool"),
+    ({"method": "marglik", "groups": [0, 1]}, ValueError, "groups: .*\\(3,\\).*shape \\(2,\\)"),
+    ({"method": "marglik", "adam": "abc"}, TypeError, "adam: expected \\(n_steps, lr\\)"),
+    ({"method": "marglik", "adam": (10,)}, TypeError, "adam: "),
+    ({"method": "marglik", "adam": (10, "x")}, TypeError, "adam: .*lr='x'"),
+    ({"method": "marglik", "adam": (2.5, 0.1)}, TypeError, "adam: .*n_steps=2.5"),
+    ({"method": "marglik", "adam": (0, 0.1)}, ValueError, "adam: "),
+    ({"method": "marglik", "adam": (10, -1.0)}, ValueError, "adam: "),
+    ({"method": "marglik", "adam": (10, float("nan"))}, ValueError, "adam: "),
+]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match", BAD_TUNING, ids=[str(k) for k, _, _ in BAD_TUNING]
+)
+def test_tuning_arguments_are_named_before_the_data_is_read_or_the_evidence_computed(
+    kwargs, error, match, monkeypatch
+):
+    """``optimize_prior_precision``'s grid (torch's ``new(): invalid data type 'str'`` before),
+    groups (floats were truncated to labels) and Adam schedule (Python's unpacking errors):
+    named, with what to give, before the validation data is read or the evidence computed."""
+    guide, x, y = _fitted_laplace()
+    before = guide.prior_precision.clone()
+    evidence = []
+    monkeypatch.setattr(
+        guide, "log_marginal_likelihood", lambda *a, **k: evidence.append(1) or 1 / 0
+    )
+    data = _CountingRows(x, y)
+    if kwargs["method"] == "grid":
+        kwargs = {**kwargs, "x_val": DataLoader(data, batch_size=10)}
+    with pytest.raises(error, match=f"^{match}"):
+        guide.optimize_prior_precision(**kwargs)
+    assert data.reads == 0 and evidence == []
+    assert torch.equal(guide.prior_precision, before)
+
+
+def test_the_grid_through_laplace_torch_s_door_is_named():
+    """``infer.Laplace(...).optimize_prior_precision(method="gridsearch", grid="abc")``: the
+    same ``TypeError`` naming ``grid``, before the validation loader is read."""
+    from torch import nn
+
+    from pyro_subspace import infer
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    x = torch.randn(20, 2, dtype=torch.float64)
+    y = torch.randint(0, 3, (20,))
+    la = infer.Laplace(net, "classification", subset_of_weights="all", hessian_structure="diag")
+    la.fit(DataLoader(TensorDataset(x, y), batch_size=10))
+    data = _CountingRows(x, y)
+    with pytest.raises(TypeError, match="^grid: .*got str 'abc'"):
+        la.optimize_prior_precision(
+            method="gridsearch", grid="abc", val_loader=DataLoader(data, batch_size=10)
+        )
+    assert data.reads == 0

@@ -16,6 +16,8 @@ members with them.
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -29,14 +31,68 @@ DEFAULT_GRID = torch.logspace(-4, 4, 33, dtype=torch.float64)
 METHODS = ("marglik", "grid")
 
 
+def _real_numbers(value: object, name: str, expected: str) -> torch.Tensor:
+    """``value`` (a tensor, an array or a nested sequence of real numbers) as a tensor, or a
+    ``TypeError`` naming ``name``: a string, a mapping, a ragged or mixed sequence, booleans or
+    complex numbers are not numbers of a grid or labels of groups."""
+    what = f"{type(value).__name__} {value!r}" if isinstance(value, (str, bytes)) else (
+        type(value).__name__
+    )
+    if isinstance(value, (str, bytes, Mapping)):
+        raise TypeError(f"{name}: expected {expected}, got {what}")
+    try:
+        values = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(
+            f"{name}: expected {expected}, got a {what} that is not an array of numbers"
+        ) from None
+    if values.dtype == torch.bool or values.is_complex():
+        raise TypeError(f"{name}: expected {expected}, got dtype {values.dtype}")
+    return values
+
+
 def check_grid(grid: object) -> torch.Tensor:
-    """``grid`` as positive finite float64 values (``None``: `DEFAULT_GRID`)."""
+    """``grid`` as positive finite float64 values (``None``: `DEFAULT_GRID`); a ``TypeError``
+    (not numbers) or ``ValueError`` (empty, not positive or not finite) naming ``grid``."""
     if grid is None:
         return DEFAULT_GRID.clone()
-    grid = torch.as_tensor(grid, dtype=torch.float64).reshape(-1)
+    expected = "prior precisions: a tensor or sequence of positive numbers"
+    grid = _real_numbers(grid, "grid", expected).to(torch.float64).reshape(-1)
     if grid.numel() == 0 or not bool(torch.isfinite(grid).all()) or bool((grid <= 0).any()):
         raise ValueError(f"grid: expected positive finite precisions, got {grid}")
     return grid
+
+
+def _check_groups(groups: object, rank: int) -> torch.Tensor | None:
+    """``groups`` as ``(rank,)`` int64 labels ``>= 0`` (``None`` stays ``None``)."""
+    if groups is None:
+        return None
+    expected = f"({rank},) integer labels >= 0, one per coordinate"
+    labels = _real_numbers(groups, "groups", expected)
+    if labels.is_floating_point():
+        raise TypeError(f"groups: expected {expected}, got dtype {labels.dtype}")
+    if labels.shape != (rank,) or int(labels.min()) < 0:
+        raise ValueError(f"groups: expected {expected}, got shape {tuple(labels.shape)}" + (
+            f" and labels down to {int(labels.min())}" if labels.numel() else ""
+        ))  # fmt: skip
+    return labels.long()
+
+
+def _check_adam(adam: object) -> tuple[int, float] | None:
+    """``adam`` as ``(n_steps, lr)``: an int ``>= 1`` and a positive finite learning rate."""
+    if adam is None:
+        return None
+    expected = "(n_steps, lr): an int >= 1 and a positive finite learning rate"
+    if isinstance(adam, (str, bytes)) or not isinstance(adam, Sequence) or len(adam) != 2:
+        raise TypeError(f"adam: expected {expected}, got {adam!r}")
+    n_steps, lr = adam
+    if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral):
+        raise TypeError(f"adam: expected {expected}, got n_steps={n_steps!r}")
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
+        raise TypeError(f"adam: expected {expected}, got lr={lr!r}")
+    if n_steps < 1 or not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"adam: expected {expected}, got {adam!r}")
+    return int(n_steps), float(lr)
 
 
 def grid_covariances(guide, x: torch.Tensor, chunk_size: int | None = None):
@@ -142,6 +198,10 @@ def optimize_prior_precision(
         raise TypeError(f"optimize_sigma: expected True or False, got {optimize_sigma!r}")
     if max_iter is not None:
         check_int(max_iter, "max_iter", 1)
+    # the method's own arguments, before the validation data is read or anything is fitted
+    grid = check_grid(grid) if method == "grid" else None
+    groups = _check_groups(groups, guide.model.rank)
+    adam = _check_adam(adam)
     if optimize_sigma and not hasattr(guide.likelihood, "sigma"):
         raise ValueError(
             f"optimize_sigma: the {type(guide.likelihood).__name__} likelihood has no noise σ "
@@ -163,7 +223,6 @@ def optimize_prior_precision(
         # width, dtype, device, NaN, labels: before any work, named as the caller's arguments
         guide.model.check_data(x_val, y_val, x_name="x_val", y_name="y_val")
         x_val, y_val = as_tensors(x_val, y_val)  # a Dataset / DataLoader: read once
-        grid = check_grid(grid)
         scores = validation_log_likelihood(guide, x_val, y_val, grid)
         guide.grid_scores = scores
         guide.set_prior_precision(select_on_grid(grid, scores[:, None]))
@@ -187,9 +246,7 @@ def _optimize_marglik(guide, optimize_sigma: bool, max_iter: int, groups=None, a
         log_lam = lam0.mean().log().detach().clone().requires_grad_(True)
         expand = lambda v: v  # noqa: E731 - one λ
     else:
-        groups = torch.as_tensor(groups, device=guide.loc.device).long()
-        if groups.shape != (guide.model.rank,) or int(groups.min()) < 0:
-            raise ValueError(f"groups: expected ({guide.model.rank},) labels >= 0")
+        groups = groups.to(guide.loc.device)  # (K,) int64 labels >= 0 (`_check_groups`)
         n_groups = int(groups.max()) + 1
         start = lam0.expand(guide.model.rank).double()
         sums = torch.zeros(n_groups, dtype=torch.float64, device=start.device)
@@ -217,9 +274,8 @@ def _optimize_marglik(guide, optimize_sigma: bool, max_iter: int, groups=None, a
 
         opt.step(closure)
     else:
-        n_steps, lr = adam
-        check_int(n_steps, "n_steps", 1)
-        opt = torch.optim.Adam(params, lr=float(lr))
+        n_steps, lr = adam  # checked (`_check_adam`)
+        opt = torch.optim.Adam(params, lr=lr)
         for _ in range(n_steps):
             opt.zero_grad()
             loss().backward()
