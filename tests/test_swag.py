@@ -135,3 +135,35 @@ def test_validation():
         with pytest.raises(ValueError, match="at least 2 snapshots"):
             swag.sample_weights()
     assert not hasattr(col, "sample")  # the collector only collects
+
+
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-2, ValueError), (2.5, TypeError)])
+def test_num_samples_and_seed_of_a_prediction_are_named_before_any_forward_pass(bad, error):
+    """``predict``/``log_prob``/``components``/``outputs``/``sample_weights`` with a bad
+    ``num_samples`` name it (``S`` before), and MultiSWAG's ``seed`` is checked once, before its
+    first member runs (``"a" + 0`` raised Python's own error before)."""
+    col, _ = _filled_collector()
+    col2, _ = _filled_collector(seed=1)
+    lik = likelihoods.Categorical()
+    x, y = torch.randn(7, 2, dtype=torch.float64), torch.randint(0, 2, (7,))
+    passes = []
+    for c in (col, col2):
+        c.flat.net.register_forward_hook(lambda *a: passes.append(1))
+    swag, multi = SWAG(col, lik, num_samples=3), MultiSWAG([col, col2], lik, num_samples=3)
+    calls = [
+        lambda n: swag.predict(x, num_samples=n),
+        lambda n: swag.log_prob(x, y, num_samples=n),
+        lambda n: swag.components(x, num_samples=n),
+        lambda n: swag.outputs(x, num_samples=n),
+        lambda n: swag.sample_weights(num_samples=n),
+        lambda n: multi.predict(x, num_samples=n),
+        lambda n: multi.log_prob(x, y, num_samples=n),
+    ]
+    for call in calls:
+        with pytest.raises(error, match="^num_samples: expected an int >= 1"):
+            call(bad)
+    for seed in ("a", -1, 1.5):
+        with pytest.raises((TypeError, ValueError), match="^seed: "):
+            multi.predict(x, seed=seed)
+    assert passes == []
+    assert swag.predict(x, num_samples=2).probs.shape == (7, 2) and passes  # the hooks see one

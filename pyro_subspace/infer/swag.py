@@ -130,7 +130,9 @@ class SWAG(MixturePredictor, nn.Module):
         device) from a generator seeded with ``seed`` (default: the constructor's), or from
         torch's global generator when both are ``None``.
         """
-        s = self.num_samples if num_samples is None else _check_positive_int(num_samples, "S")
+        s = self.num_samples
+        if num_samples is not None:
+            s = _check_positive_int(num_samples, "num_samples")
         seed = self.seed if seed is None else _check_seed(seed)
         col = self.collector
         if col.n_collected < 2:
@@ -212,6 +214,9 @@ class MultiSWAG(MixturePredictor, nn.Module):
 
     def components(self, x: torch.Tensor, num_samples: int | None = None, seed: int | None = None):
         """Weights ``1/(K·S)`` and the predictive of every draw of every member."""
+        if num_samples is not None:  # named before the first member's forward pass
+            _check_positive_int(num_samples, "num_samples")
+        seed = _check_seed(seed)  # (member k's seed is seed + k)
         outs, liks = [], []
         for k, member in enumerate(self.members):
             outs.append(member.outputs(x, num_samples, None if seed is None else seed + k))
