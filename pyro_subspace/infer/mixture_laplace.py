@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
+from .. import batch as batching
 from .. import validation
 from ..flat import eval_mode
 from ..likelihoods import Likelihood, check_temperature
@@ -393,7 +394,7 @@ class MixtureOfLaplace(MixturePredictor):
                     out = model.flat(w.to(model.subspace.shift), x)
                 outs.append(out)
                 weights.append(self.weights[k].expand(num_samples) / num_samples)
-            return torch.cat(weights).to(x.device), member_predictives(self.likelihoods, outs)
+            return torch.cat(weights).to(batching.device_of(x)), member_predictives(self.likelihoods, outs)
         comps = []
         for k, (model, guide) in enumerate(self.members):
             f_mean, f_cov = self._moments(k, x, diagonal=method != "mc")
@@ -405,7 +406,7 @@ class MixtureOfLaplace(MixturePredictor):
                 comps.append(model.likelihood.component(dist))
             else:
                 comps.append(_from_moments(model.likelihood, f_mean, f_cov))
-        return self.weights.to(x.device), self.likelihood.stack_components(comps)
+        return self.weights.to(batching.device_of(x)), self.likelihood.stack_components(comps)
 
     def logit_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The output mixture of eq. (8): means ``(K, N, O)`` and covariances ``(K, N, O, O)``."""

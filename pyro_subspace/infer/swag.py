@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .. import batch as batching
 from ..validation import check_int, positive_float, positive_int
 from ..flat import eval_mode
 from ..likelihoods import Likelihood
@@ -158,7 +159,7 @@ class SWAG(MixturePredictor, nn.Module):
         w = self.sample_weights(num_samples, seed)
         flat = self.collector.flat
         with torch.no_grad(), eval_mode(flat.net):
-            out = flat(w.to(x.device), x)
+            out = flat(w.to(batching.device_of(x)), x)
         return out.unsqueeze(-1) if out.dim() == 2 else out
 
     def components(self, x: torch.Tensor, num_samples: int | None = None, seed: int | None = None):
@@ -166,7 +167,7 @@ class SWAG(MixturePredictor, nn.Module):
         out = self.outputs(x, num_samples, seed)
         comp = member_predictives([self.likelihood], [out])
         s = out.shape[0]
-        return torch.full((s,), 1.0 / s, dtype=torch.float64, device=x.device), comp
+        return torch.full((s,), 1.0 / s, dtype=torch.float64, device=batching.device_of(x)), comp
 
 
 class MultiSWAG(MixturePredictor, nn.Module):
@@ -223,4 +224,4 @@ class MultiSWAG(MixturePredictor, nn.Module):
             liks.append(member.likelihood)
         comp = member_predictives(liks, outs, "collectors")
         m = sum(o.shape[0] for o in outs)
-        return torch.full((m,), 1.0 / m, dtype=torch.float64, device=x.device), comp
+        return torch.full((m,), 1.0 / m, dtype=torch.float64, device=batching.device_of(x)), comp

@@ -35,6 +35,7 @@ from pyro.nn.module import pyro_method
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from .. import batch as batching
 from .. import distributed, validation
 from ..data import check_batchnorm_loader
 from ..flat import FlatNet, eval_mode, preserved, train_mode
@@ -338,7 +339,7 @@ class PatchedNet(PyroModule):
         if validate:
             n, _, total = check_call(x, y, None, num_data)
         else:
-            n = x.shape[0]
+            n = batching.rows(x)
             total = n if num_data is None else num_data
         like = self._like()
         z = self.family.draw_assignments((), like)
@@ -431,7 +432,7 @@ class PatchedNet(PyroModule):
         # one draw's outputs on the first row: the targets of tensors are checked against them once
         # (streamed targets: per batch); drawn for a stream too, so that the training draws are the
         # same whatever the source
-        first = x[:1] if not streamed else _first_row(x)
+        first = batching.take(x, slice(0, 1)) if not streamed else _first_row(x)
         if first is not None:
             probe = self._one_draw_outputs(first)
         if not streamed:
@@ -469,7 +470,7 @@ class PatchedNet(PyroModule):
                 batch_size=batch_size,
                 generator=gen,
                 optimizer=optimizer,
-                device=x.device,
+                device=batching.device_of(x),
                 min_batch_size=2,
                 epoch_loss="batches",
                 on_epoch=on_epoch,
@@ -502,7 +503,7 @@ class PatchedNet(PyroModule):
             weights[s.name] = drop_data_dim(w, len(s.shape))
         member = drop_data_dim(z["z"], 0) if self.mode == "ensemble" else None
         if num_data is not None:  # x is already a minibatch of a data set of num_data points
-            plate_kwargs = {"subsample": torch.arange(n, device=x.device)}
+            plate_kwargs = {"subsample": torch.arange(n, device=batching.device_of(x))}
         else:
             plate_kwargs = {"subsample_size": size}
         with pyro.plate("data", total, dim=-1, **plate_kwargs) as idx:
