@@ -105,3 +105,58 @@ def test_batchnorm_net_in_training_mode_keeps_its_buffers_and_modes():
     f = torch.tanh(h) @ p["3.weight"].view(1, 5).T + p["3.bias"]
     expected = -torch.distributions.Normal(f[:, 0], 0.5).log_prob(y).mean()
     assert float(on_curve[-1]) == pytest.approx(float(expected), rel=1e-5)
+
+
+def _small_curve_problem():
+    """A 2→4→3 classifier, its weights ``w0``, another point ``w1`` and a control point."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    x, y = torch.randn(20, 2, dtype=torch.float64), torch.randint(0, 3, (20,))
+    w0 = nn.utils.parameters_to_vector(net.parameters()).detach()
+    w1 = w0 + 0.3 * torch.randn_like(w0)
+    return net, likelihoods.Categorical(), x, y, w0, (w0 + w1) / 2 + 0.1, w1
+
+
+def test_equal_end_points_and_too_few_curve_points_are_refused_before_any_forward_pass():
+    """``fit_curve`` with ``w1 = w0`` (exactly or to rounding) trained for its epochs before
+    `curve` found no plane; ``curve_losses(..., num_points=0)`` returned empty curves; a bad
+    likelihood, target length, seed or weight length raised deep inside. Each is named now,
+    before any forward pass of the network."""
+    net, lik, x, y, w0, theta, w1 = _small_curve_problem()
+    passes = []
+    net.register_forward_hook(lambda *a: passes.append(1))
+    rounding = w0 * (1 + torch.finfo(w0.dtype).eps)
+    for same in (w0.clone(), rounding):
+        with pytest.raises(ValueError, match="^w1: equals w0 .*another seed"):
+            subspaces.fit_curve(net, lik, x, y, w0, same, epochs=3, progress=False)
+        with pytest.raises(ValueError, match="^w1: equals w0"):
+            curve_losses(net, lik, x, y, w0, theta, same)
+        with pytest.raises(ValueError, match="^w1: equals w0"):
+            subspaces.curve(w0, theta, same)
+    for n, error in ((0, ValueError), (1, ValueError), (-1, ValueError), (2.5, TypeError)):
+        with pytest.raises(error, match="^num_points: expected an int >= 2"):
+            curve_losses(net, lik, x, y, w0, theta, w1, num_points=n)
+    bad = [
+        ({"likelihood": "categorical"}, TypeError, "likelihood"),
+        ({"y": y[:5]}, ValueError, "y"),
+        ({"x": x.float()}, (TypeError, ValueError), "x"),
+        ({"w0": w0[:-1], "theta": theta[:-1], "w1": w1[:-1]}, ValueError, "w0"),
+        ({"theta": theta[:-1]}, ValueError, "theta"),
+    ]
+    args = {"net": net, "likelihood": lik, "x": x, "y": y, "w0": w0, "theta": theta, "w1": w1}
+    for change, error, name in bad:
+        with pytest.raises(error, match=f"^{name}: "):
+            curve_losses(**{**args, **change})
+        if "theta" not in change:
+            with pytest.raises(error, match=f"^{name}: "):
+                kwargs = {k: v for k, v in {**args, **change}.items() if k != "theta"}
+                subspaces.fit_curve(**kwargs, epochs=1, progress=False)
+    for seed, error in (("a", TypeError), (-1, ValueError)):
+        with pytest.raises(error, match="^seed: "):
+            subspaces.fit_curve(net, lik, x, y, w0, w1, epochs=1, seed=seed, progress=False)
+    with pytest.raises(ValueError, match="^progress: "):
+        subspaces.fit_curve(net, lik, x, y, w0, w1, epochs=1, progress="yes")
+    assert passes == []
+    s, on_curve, on_line = curve_losses(net, lik, x, y, w0, theta, w1, num_points=2)
+    assert torch.equal(s, torch.tensor([0.0, 1.0], dtype=torch.float64))
+    torch.testing.assert_close(on_curve, on_line)  # both ends are on both paths

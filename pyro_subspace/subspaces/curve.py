@@ -32,6 +32,8 @@ def bezier(
 
 
 def _check_points(w0: torch.Tensor, theta: torch.Tensor, w1: torch.Tensor) -> None:
+    """Three finite float vectors of one shape ``(D,)``, and end points that differ (beyond
+    rounding: ``‖w1 − w0‖ > 100 ε max(‖w0‖, ‖w1‖)``): a curve joins two solutions."""
     for name, w in (("w0", w0), ("theta", theta), ("w1", w1)):
         if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 1:
             raise ValueError(f"{name}: expected a floating-point tensor of shape (D,)")
@@ -39,6 +41,42 @@ def _check_points(w0: torch.Tensor, theta: torch.Tensor, w1: torch.Tensor) -> No
             raise ValueError(f"{name}: shape {tuple(w.shape)} differs from w0's {tuple(w0.shape)}")
         if not torch.isfinite(w).all():
             raise ValueError(f"{name}: contains NaN or inf")
+    tol = 100 * torch.finfo(w0.dtype).eps * max(float(w0.norm()), float(w1.norm()))
+    if float((w1 - w0).norm()) <= tol:
+        raise ValueError(
+            "w1: equals w0 (to rounding); a curve joins two different solutions: train a second "
+            "network (another seed) for w1"
+        )
+
+
+def _check_problem(
+    net: nn.Module,
+    likelihood: Likelihood,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    w0: torch.Tensor,
+    theta: torch.Tensor,
+    w1: torch.Tensor,
+) -> tuple[FlatNet, torch.Tensor]:
+    """The checks `fit_curve` and `curve_losses` share, before their work: the likelihood, the
+    points, the data against the network and the targets against its output width (one row's
+    forward pass). Returns the network's `FlatNet` and the targets as the likelihood takes
+    them."""
+    check_likelihood(likelihood)
+    ck.check_tensor(w0, "w0", floating=True), ck.check_tensor(w1, "w1", floating=True)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a tensor of inputs (N, ...), got {type(x).__name__}")
+    ck.check_data(net, x, y, likelihood, require_y=True, dtype=w0.dtype)
+    flat = FlatNet(net, batch_strategy="loop")
+    if w0.shape != (flat.num_weights,):
+        raise ValueError(
+            f"w0: expected shape ({flat.num_weights},) for this network, got {tuple(w0.shape)}"
+        )
+    _check_points(w0, theta, w1)
+    with torch.no_grad(), eval_mode(net):
+        probe = flat(w0, x[:1])  # only the output width is needed to check the targets
+    probe = probe.unsqueeze(-1) if probe.dim() == 1 else probe
+    return flat, likelihood.validate(probe.new_zeros(x.shape[0], *probe.shape[1:]), y)
 
 
 def curve(w0: torch.Tensor, theta: torch.Tensor, w1: torch.Tensor) -> Subspace:
@@ -80,12 +118,18 @@ def curve_losses(
     At each evaluated point the BatchNorm statistics are recomputed from ``x`` (a train-mode
     pass) before the loss is taken in eval mode; the network's own buffers are restored.
 
+    Args:
+        net, likelihood, x, y, w0, w1: as in `fit_curve`.
+        theta: the control point `fit_curve` trained, shape ``(D,)``.
+        num_points: the points ``s`` evaluated, evenly spaced over ``[0, 1]`` (at least the
+            two ends).
+
     Returns:
         ``(s, curve_loss, line_loss)``, each of shape ``(num_points,)``; the line is
         ``(1 − s) w0 + s w1``.
     """
-    _check_points(w0, theta, w1)
-    flat = FlatNet(net, batch_strategy="loop")
+    ck.check_int(num_points, "num_points", 2)
+    flat, y = _check_problem(net, likelihood, x, y, w0, theta, w1)
     s = torch.linspace(0, 1, num_points, dtype=w0.dtype)
     curve_w = bezier(w0, theta, w1, s)
     line_w = (1 - s)[:, None] * w0 + s[:, None] * w1
@@ -133,23 +177,13 @@ def fit_curve(
     Returns:
         ``θ``, shape ``(D,)``; the curve passes through ``w0`` (s = 0) and ``w1`` (s = 1) exactly.
     """
-    check_likelihood(likelihood)
-    ck.check_tensor(w0, "w0", floating=True), ck.check_tensor(w1, "w1", floating=True)
     ck.positive_int(epochs, "epochs"), ck.positive_float(lr, "lr")
     ck.positive_int(batch_size, "batch_size", allow_none=True)
     ck.positive_float(weight_decay, "weight_decay", allow_zero=True)
-    ck.check_data(net, x, y, likelihood, require_y=True, dtype=w0.dtype)
-    flat = FlatNet(net, batch_strategy="loop")
-    if w0.shape != (flat.num_weights,):
-        raise ValueError(
-            f"w0: expected shape ({flat.num_weights},) for this network, got {tuple(w0.shape)}"
-        )
-    _check_points(w0, w0, w1)  # theta starts at their midpoint
+    ck.check_int(seed, "seed", 0, allow_none=True)
+    ck.choice(progress, "progress", (True, False))
+    flat, y = _check_problem(net, likelihood, x, y, w0, w0, w1)  # theta starts at the midpoint
     n = x.shape[0]
-    with torch.no_grad(), eval_mode(net):
-        probe = flat(w0, x[:1])  # only the output width is needed to check the targets
-    probe = probe.unsqueeze(-1) if probe.dim() == 1 else probe
-    y = likelihood.validate(probe.new_zeros(n, *probe.shape[1:]), y)
     gen = shuffle_generator(seed)
     w0, w1 = w0.detach(), w1.detach()
     theta = ((w0 + w1) / 2).clone().requires_grad_(True)
