@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from pyro_subspace import cli, datasets, distributed
+from pyro_subspace import cli, curvature, datasets, distributed, subspaces
 from pyro_subspace.infer import run_chains
 
 
@@ -113,8 +114,6 @@ class _CountingRows(torch.utils.data.Dataset):
 
 
 def _fitted_laplace():
-    from torch import nn
-
     from pyro_subspace import SubspaceNet, likelihoods, subspaces
     from pyro_subspace.infer import AutoSubspaceLaplace
 
@@ -175,8 +174,6 @@ def test_tuning_arguments_are_named_before_the_data_is_read_or_the_evidence_comp
 def test_the_grid_through_laplace_torch_s_door_is_named():
     """``infer.Laplace(...).optimize_prior_precision(method="gridsearch", grid="abc")``: the
     same ``TypeError`` naming ``grid``, before the validation loader is read."""
-    from torch import nn
-
     from pyro_subspace import infer
 
     torch.manual_seed(0)
@@ -191,3 +188,82 @@ def test_the_grid_through_laplace_torch_s_door_is_named():
             method="gridsearch", grid="abc", val_loader=DataLoader(data, batch_size=10)
         )
     assert data.reads == 0
+
+
+# ------------------------------------------------------------------ curvature at broken weights
+
+
+class _Masked(nn.Module):
+    """A classifier with a BatchNorm and a ``-inf`` mask buffer (an attention mask's kind of
+    inf: legitimate), its first layer optionally frozen."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.Tanh()).double()
+        self.head = nn.Linear(4, 3).double()
+        self.register_buffer("mask", torch.tensor([0.0, 0.0, float("-inf")], dtype=torch.float64))
+
+    def forward(self, x):
+        logits = self.head(self.body(x))
+        return torch.where(torch.isinf(self.mask), logits.new_zeros(()), logits)
+
+
+def _break(net, where):
+    with torch.no_grad():
+        if where == "weight":
+            net.head.weight[1, 2] = float("nan")
+        elif where == "frozen":
+            net.body[0].requires_grad_(False)
+            net.body[0].bias[3] = float("inf")
+        elif where == "buffer":
+            net.body[1].running_var[0] = float("nan")
+        elif where == "running_mean_inf":
+            net.body[1].running_mean[2] = float("inf")
+
+
+CURVATURE_PASSES = {
+    "kfac": lambda net, lik, x, w: curvature.kfac(net, lik, x),
+    "ggn_eigen": lambda net, lik, x, w: subspaces.ggn_eigen(net, lik, x, 2, w=w),
+}
+
+
+@pytest.mark.parametrize("entry", list(CURVATURE_PASSES))
+@pytest.mark.parametrize(
+    "where, match",
+    [
+        ("weight", "^net: its weights contain NaN or inf \\(parameter 'head.weight', entry "
+                   "\\(1, 2\\): nan\\)"),
+        ("frozen", "^net: its weights contain NaN or inf \\(parameter 'body.0.bias', entry "
+                   "\\(3,\\): inf\\)"),
+        ("buffer", "^net: buffer 'body.1.running_var' contains NaN"),
+        ("running_mean_inf", "^net: buffer 'body.1.running_mean' contains inf"),
+        ("w", "^w: contains NaN or inf \\(inf at row 5\\)"),
+    ],
+)  # fmt: skip
+def test_curvature_at_non_finite_weights_names_them_before_a_forward_pass(entry, where, match):
+    """K-FAC and ``ggn_eigen`` at a network with a NaN/inf weight (trainable or frozen), a NaN
+    BatchNorm statistic, or a given ``w`` with an inf: named before any forward pass (a
+    forward pass ran, then ``outputs: contains NaN or inf`` was raised). A ``-inf`` mask
+    buffer is legitimate: the same network without the damage runs."""
+    from pyro_subspace import likelihoods
+    from pyro_subspace.flat import FlatNet
+
+    net = _Masked().eval()
+    x = torch.randn(10, 2, dtype=torch.float64)
+    lik = likelihoods.Categorical()
+    run = CURVATURE_PASSES[entry]
+    assert run(net, lik, x, None) is not None  # the -inf mask is not an error
+    w = None
+    if where == "w":
+        if entry == "kfac":
+            pytest.skip("kfac takes no w: it reads the network's own weights")
+        w = FlatNet(net).vector().clone()
+        w[5] = float("inf")
+    else:
+        _break(net, where)
+    passes = []
+    net.register_forward_hook(lambda *a: passes.append(1))
+    with pytest.raises(ValueError, match=match):
+        run(net, lik, x, w)
+    assert passes == []

@@ -19,6 +19,7 @@ from ..curvature import (
     lanczos_eigh,
     thick_restart_lanczos_eigh,
 )
+from ..curvature.kfac.state import check_finite_state
 from ..flat import FlatNet
 from ..likelihoods import Likelihood, check_likelihood
 from ..threads import thread_policy
@@ -84,9 +85,11 @@ def ggn_eigen(
     ck.check_int(seed, "seed", minimum=0)
     ck.check_data(net, x, dtype=None if w is None else getattr(w, "dtype", None))
     flat = FlatNet(net)
+    if w is not None:
+        flat.check_weights(w, "w", batched=False)
+    check_finite_state(net, w)  # the weights, frozen parameters and buffers: before any pass
     if w is None:
         w = flat.vector()
-    flat.check_weights(w, "w", batched=False)
     d = flat.num_weights
     ck.check_int(rank, "rank", 1, d)
     w = w.detach()

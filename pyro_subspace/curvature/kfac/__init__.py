@@ -89,6 +89,8 @@ The package, one concept a file (`__init__` re-exports the public names):
 - `fold`: an eval-mode BatchNorm as a scale and shift, and the Conv2d+BatchNorm fold.
 - `diagonal`: the exact GGN diagonal of every other covered parameter.
 - `mc`: the Monte Carlo Fisher's sampled scores (``fisher="mc"``, `MC_SEED`).
+- `state`: the network's weights, frozen parameters and buffers checked finite before a pass
+  (`check_finite_state`, also `subspaces.ggn_eigen`'s).
 """
 
 from .blocks import KronBlock, KronFactors

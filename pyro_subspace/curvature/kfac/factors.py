@@ -28,6 +28,7 @@ from .diagonal import (
 from .fold import _affine_batchnorm, _Fold, _fold_pairs, _identity, _uses_running_stats
 from .layers import _check_calls, _check_modules, _fill_zeros, _Layer, _plan, _settle
 from .mc import _check_generator, _mc_factor
+from .state import check_finite_state
 
 __all__ = ["kfac"]
 
@@ -147,6 +148,7 @@ def kfac(
         raise ValueError(f"mc_samples: only fisher='mc' draws samples, got {mc_samples}")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype: expected a floating-point torch.dtype or None, got {dtype!r}")
+    check_finite_state(net)  # NaN weights would surface as non-finite outputs after a pass
     device = params[0].device
     gen = _check_generator(generator, device) if fisher == "mc" else None
     if isinstance(x, torch.Tensor) or batching.is_mapping(x):
