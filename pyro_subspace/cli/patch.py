@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import time
 
 import torch
@@ -25,6 +26,9 @@ from ..train import fit_map
 from . import options, report
 
 INFERENCE = ("emp", "ecmp", "dropout", "ensemble")
+#: The report's calibration bins (Ensemble Model Patching, appendix D.2: 20 equal-width bins,
+#: a bin counted by ECE/MCE when it holds more than 5 test points).
+N_BINS, MIN_COUNT = 20, 5
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -77,6 +81,45 @@ def check(args: argparse.Namespace, given: set[str]) -> None:
     )
 
 
+def check_size(args: argparse.Namespace, data: datasets.Dataset) -> None:
+    """The data can give the report (`options.UsageError` before any training, naming its
+    size): two classes at least, and more than ``MIN_COUNT`` test points, without which no
+    calibration bin is counted and ECE/MCE do not exist."""
+    source = f"--csv {args.csv}" if args.dataset == "csv" else f"--dataset {args.dataset}"
+    if int(data.n_classes) < 2:
+        raise options.UsageError(
+            f"{source}: --target {args.target} holds {int(data.n_classes)} class; a classifier "
+            "needs at least 2"
+        )
+    n_test = data.x_test.shape[0]
+    rows = data.n_train + n_test
+    if n_test <= MIN_COUNT:
+        need = math.ceil(rows * (MIN_COUNT + 1) / n_test)
+        raise options.UsageError(
+            f"{source}: {rows} rows give a test split of {n_test} points; the report's ECE and "
+            f"MCE count the confidence bins of more than {MIN_COUNT} test points "
+            f"(Ensemble Model Patching D.2), so they need at least {MIN_COUNT + 1}: give a CSV "
+            f"of about {need} rows or more"
+        )
+
+
+def _scores(name: str, probs: torch.Tensor, y: torch.Tensor, warnings: list[str]) -> dict:
+    """`metrics.classification_scores`, with ECE and MCE ``None`` (and a warning) where no
+    confidence bin holds more than ``MIN_COUNT`` of the test points (possible below
+    ``N_BINS · MIN_COUNT`` points): the trained models are still reported."""
+    count = metrics.reliability_diagram_data(probs, y, N_BINS)[2]
+    if bool((count > MIN_COUNT).any()):
+        return metrics.classification_scores(probs, y, N_BINS, MIN_COUNT)
+    warnings.append(
+        f"{name}: ECE and MCE are n/a: none of the {N_BINS} confidence bins holds more than "
+        f"{MIN_COUNT} of the {len(y)} test points (a larger test split)"
+    )
+    return {
+        "acc": metrics.accuracy(probs, y), "nll": metrics.categorical_nll(probs, y),
+        "ece": None, "mce": None,
+    }  # fmt: skip
+
+
 def _train(name: str, args: argparse.Namespace, data: datasets.Dataset):
     """Train ``vanilla`` or a patching method; returns the model (eval mode), CPU seconds and
     the parameter overhead in percent."""
@@ -116,7 +159,8 @@ def _probs(model, x: torch.Tensor, num_samples: int) -> torch.Tensor:
 def run(args: argparse.Namespace) -> dict:
     """Train vanilla and ``--inference``, score both; returns the results (also written)."""
     data = options.load_data(args, "classification")
-    rows, probs = {}, {}
+    check_size(args, data)
+    rows, probs, warnings = {}, {}, []
     # untimed: one epoch of each on a few rows pays the one-off costs (first autograd and BLAS
     # calls, lazy imports: ~1 s) that would otherwise land on whichever method runs first
     few = dataclasses.replace(data, x_train=data.x_train[:64], y_train=data.y_train[:64])
@@ -131,7 +175,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.manual_seed(args.seed)
         probs[name] = _probs(model, data.x_test, args.samples)
         rows[name] = {
-            **metrics.classification_scores(probs[name], data.y_test),
+            **_scores(name, probs[name], data.y_test, warnings),
             "overhead_percent": overhead,
             "train_seconds": seconds,
         }
@@ -144,6 +188,8 @@ def run(args: argparse.Namespace) -> dict:
         "prior_precision": args.prior_precision,
         "rows": rows,
     }
+    if warnings:
+        results["warnings"] = warnings
 
     def plot(out):
         path = out / f"{data.name}_{args.inference}_calibration.png"

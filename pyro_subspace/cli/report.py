@@ -88,8 +88,9 @@ def classification_table(results: dict) -> str:
         f"{'method':<10}{'acc':>8}{'NLL':>8}{'ECE':>8}{'MCE':>8}{'overhead':>10}{'train s':>9}",
     ]
     for name, r in results["rows"].items():
+        ece, mce = ("n/a" if r[k] is None else f"{r[k]:.4f}" for k in ("ece", "mce"))
         lines.append(
-            f"{name:<10}{r['acc']:>8.4f}{r['nll']:>8.4f}{r['ece']:>8.4f}{r['mce']:>8.4f}"
+            f"{name:<10}{r['acc']:>8.4f}{r['nll']:>8.4f}{ece:>8}{mce:>8}"
             f"{r['overhead_percent']:>9.2f}%{r['train_seconds']:>9.2f}"
         )
     lines.append(
