@@ -1,0 +1,185 @@
+"""Laplace-LoRA and LoRA-subspace sampling at GPT-2-small scale: time and peak memory.
+
+Issue 35's scale check. A GPT-2-small-shaped sequence classifier built from its config
+(``GPT2Config()``: 12 layers, width 768, 124M weights; random weights: nothing is downloaded)
+with a 3-class head and a peft LoRA adapter, r = 8 on the attention projections (``c_attn``);
+N = 512 sequences of 64 tokens (dict batches ``input_ids``/``attention_mask``/``labels`` of 8
+sequences). Each step runs in a forked child process, so its peak RSS above the parent's
+(``ru_maxrss`` of the child less the parent's resident size at the fork) is its own:
+
+- one training epoch of the adapter (AdamW, batches of 8): the unit of time;
+- one ``torch.no_grad()`` forward pass over the data (batches of 32): the unit of an evaluation;
+- K-FAC Laplace over the adapter (``infer.Laplace(model, Categorical(), "all", "kron").fit``),
+  type-2 Fisher (3 backward passes a chunk) and the one-sample Monte Carlo Fisher;
+- an SWA snapshot's bytes (``SWACollector.deviation_rows`` per row) against the adapter's;
+- one elliptical-slice likelihood evaluation in a rank-10 subspace of the adapter
+  (``SubspaceNet.evaluator(...).log_likelihood(t)``) against the no-grad forward pass; 20
+  draws cost about (evaluations per draw) × that, the evaluations per draw measured on the
+  toy problem's kernel (`benchmarks/ess_vs_nuts.py`: 5-8 at T = N/K).
+
+    python benchmarks/hf_lora_scale.py                    # the issue's sizes (about 20 min)
+    python benchmarks/hf_lora_scale.py --quick            # 2 layers, N = 64: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import resource
+import time
+
+import torch
+from torch.utils.data import DataLoader
+
+from pyro_subspace import SubspaceNet, infer, likelihoods, subspaces
+
+
+def build(quick: bool):
+    import peft
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(num_labels=3, pad_token_id=0)
+    if quick:
+        cfg.n_layer = 2
+    base = transformers.GPT2ForSequenceClassification(cfg)
+    lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], fan_in_fan_out=True, task_type="SEQ_CLS")
+    model = peft.get_peft_model(base, lora)
+    with torch.no_grad():  # a trained adapter: B away from its zero start
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def data(n: int, length: int):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 50257, (n, length), generator=g)
+    mask = torch.ones(n, length, dtype=torch.long)
+    y = torch.randint(0, 3, (n,), generator=g)
+    rows = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": y[i]} for i in range(n)]
+    return {"input_ids": ids, "attention_mask": mask}, y, rows
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _steps(model, x, y, rows, n: int) -> dict:
+    """The measured steps, by name: each a callable returning an optional number."""
+    lik = likelihoods.Categorical()
+    trainable = [q for q in model.parameters() if q.requires_grad]
+
+    def epoch():
+        model.train()
+        opt = torch.optim.AdamW(trainable, lr=1e-4)
+        for batch in DataLoader(rows, batch_size=8):
+            labels = batch.pop("labels")
+            loss = torch.nn.functional.cross_entropy(model(**batch).logits, labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+
+    def forward():
+        with torch.no_grad():
+            for i in range(0, n, 32):
+                model(input_ids=x["input_ids"][i : i + 32], attention_mask=x["attention_mask"][i : i + 32])
+
+    def kfac(fisher: str):
+        def fit():
+            opts = {"fisher": fisher}
+            infer.Laplace(model, lik, "all", "kron", structure_options=opts).fit(DataLoader(rows, batch_size=8))
+
+        return fit
+
+    def snapshot():
+        col = subspaces.SWACollector(model, max_snapshots=2)
+        col.collect()
+        row = col.deviation_rows[0]
+        return row.numel() * row.element_size()
+
+    def ess_eval():
+        sub = subspaces.random(model, rank=10, seed=0)
+        ev = SubspaceNet(model, sub, lik).evaluator(x, y, chunk_size=32)
+        ev.log_likelihood(torch.full((10,), 0.01, dtype=sub.shift.dtype))
+
+    fns = (epoch, forward, kfac("type-2"), kfac("mc"), ess_eval, snapshot)
+    return dict(zip(STEPS, fns))
+
+
+#: the steps' names, in `_steps`' order
+STEPS = (
+    "one adapter training epoch (AdamW, batch 8)",
+    "no-grad forward pass over the data",
+    "K-FAC Laplace over the adapter, type-2 (3 classes)",
+    "K-FAC Laplace over the adapter, 1-sample MC Fisher",
+    "one elliptical-slice likelihood evaluation (rank 10)",
+    "snapshot",
+)
+
+
+def _child(name: str, quick: bool, threads: int, queue) -> None:
+    """One step in a fresh (spawned) process: its time, and its peak RSS above the process's
+    resident size once the model and data are built."""
+    torch.set_num_threads(threads)
+    model = build(quick)
+    x, y, rows = data(*((64, 32) if quick else (512, 64)))
+    fn = _steps(model, x, y, rows, len(y))[name]
+    base = _rss_mib()
+    t = time.perf_counter()
+    extra = fn()
+    seconds = time.perf_counter() - t
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
+    queue.put((seconds, peak - base, extra))
+
+
+def run(name: str, quick: bool, threads: int):
+    """``(seconds, peak MiB above the built model, extra)`` of step ``name`` in a spawned child."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(name, quick, threads, queue))
+    proc.start()
+    out = queue.get()
+    proc.join()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    n, length = (64, 32) if args.quick else (512, 64)
+    model = build(args.quick)
+    trainable = [q for q in model.parameters() if q.requires_grad]
+    adapter_bytes = sum(q.numel() * q.element_size() for q in trainable)
+    total = sum(q.numel() for q in model.parameters())
+    del model
+    names = [k for k in STEPS if k != "snapshot"]
+    results = {name: run(name, args.quick, args.threads) for name in names}
+    snap_bytes = run("snapshot", args.quick, args.threads)[2]
+    load = os.getloadavg()[0]
+    print(f"# Laplace-LoRA at GPT-2-small scale, {datetime.date.today()}, threads {args.threads}, load {load:.2f}")
+    print(
+        f"GPT-2 {'(2 layers)' if args.quick else 'small'}: {total:,} weights, LoRA r = 8 on c_attn + "
+        f"3-class head: {adapter_bytes // 4:,} trainable weights; N = {n} sequences of {length} "
+        "tokens; each step in a fresh process (peak RSS above the built model)\n"
+    )
+    ep, ep_peak, _ = results["one adapter training epoch (AdamW, batch 8)"]
+    fw = results["no-grad forward pass over the data"][0]
+    print(f"{'step':54s} {'seconds':>8s} {'epochs':>7s} {'peak MiB':>9s} {'/ train peak':>12s}")
+    for name, (sec, peak, _) in results.items():
+        print(f"{name:54s} {sec:8.1f} {sec / ep:7.2f} {peak:9.0f} {peak / ep_peak:12.2f}")
+    ess = results["one elliptical-slice likelihood evaluation (rank 10)"][0]
+    print(f"\none ESS likelihood evaluation / no-grad forward pass: {ess / fw:.2f} (target <= 1.2)")
+    print(f"20 ESS draws at 5-8 evaluations each: about {100 * ess:.0f}-{160 * ess:.0f} s")
+    print(f"SWA snapshot: {snap_bytes:,} bytes; the adapter + head: {adapter_bytes:,} bytes")
+
+
+if __name__ == "__main__":
+    main()
