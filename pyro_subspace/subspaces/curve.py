@@ -49,15 +49,7 @@ def _check_points(w0: torch.Tensor, theta: torch.Tensor, w1: torch.Tensor) -> No
         )
 
 
-def _check_problem(
-    net: nn.Module,
-    likelihood: Likelihood,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    w0: torch.Tensor,
-    theta: torch.Tensor,
-    w1: torch.Tensor,
-) -> tuple[FlatNet, torch.Tensor]:
+def _check_problem(net, likelihood, x, y, w0, theta, w1) -> tuple[FlatNet, torch.Tensor]:
     """The checks `fit_curve` and `curve_losses` share, before their work: the likelihood, the
     points, the data against the network and the targets against its output width (one row's
     forward pass). Returns the network's `FlatNet` and the targets as the likelihood takes
