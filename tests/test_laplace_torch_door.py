@@ -250,3 +250,21 @@ def test_empirical_fisher_and_hessian_backends_are_refused_saying_so():
             infer.Laplace(net, "classification", backend=type(name, (), {}))
     with pytest.raises(TypeError, match="^backend_kwargs: only"):
         infer.Laplace(net, "classification", backend_kwargs={"foo": 1})
+
+
+def test_float_indices_are_refused_naming_subset_of_weights():
+    net, _, _ = _classifier()
+    with pytest.raises(TypeError, match="^subset_of_weights: .*integer tensor"):
+        infer.Laplace(net, "classification", torch.tensor([0.0, 3.0]))
+    with pytest.raises(ValueError, match="^subset_of_weights: flat indices must be 1-D"):
+        infer.Laplace(net, "classification", torch.tensor([[0, 3]]))
+
+
+def test_a_failed_tuning_leaves_the_prior_as_it_was_init_prior_prec_included():
+    net, x, y = _classifier()
+    la = infer.Laplace(net, "classification", "all", "full", prior_precision=LAM).fit(x, y)
+    before = la(x)
+    with pytest.raises(TypeError, match="grid"):
+        la.optimize_prior_precision("glm", "gridsearch", init_prior_prec=7.0, x_val=x, y_val=y, grid="abc")
+    assert float(la.prior_precision) == LAM
+    torch.testing.assert_close(la(x), before, rtol=0, atol=0)

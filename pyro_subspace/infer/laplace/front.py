@@ -178,6 +178,17 @@ def Laplace(
     if isinstance(subset_of_weights, Subspace):
         sub = subset_of_weights
     elif isinstance(subset_of_weights, torch.Tensor):
+        if subset_of_weights.is_floating_point() or subset_of_weights.is_complex():
+            raise TypeError(
+                f"subset_of_weights: a tensor here is flat indices of the weights, an integer "
+                f"tensor (K,); got dtype {subset_of_weights.dtype} (call .long() on indices; a "
+                "dense basis is a Subspace: subspaces.Subspace(shift, basis))"
+            )
+        if subset_of_weights.dim() != 1:
+            raise ValueError(
+                f"subset_of_weights: flat indices must be 1-D (K,), got shape "
+                f"{tuple(subset_of_weights.shape)}"
+            )
         w = FlatNet(net).vector()
         sub = Subspace(w, subset_of_weights.to(w.device))
     elif subset_of_weights == "all":
@@ -656,9 +667,13 @@ class NetLaplace(nn.Module):
             if n_steps is not None or lr is not None:
                 ours["adam"] = (100 if n_steps is None else n_steps, 0.1 if lr is None else lr)
         self._flush()
-        if init_prior_prec is not None:
-            self.prior_precision = init_prior_prec
-        optimize_prior_precision(self._modules["guide"], method, **ours)
+        guide = self._modules["guide"]
+        # all or nothing: a tuning that fails (a bad grid, an interruption) leaves the prior
+        # as it was, init_prior_prec included
+        with transaction(guide, self.model, on_overflow=guide._mark_unfitted):
+            if init_prior_prec is not None:
+                self.prior_precision = init_prior_prec
+            optimize_prior_precision(guide, method, **ours)
         if verbose:
             print(f"Optimized prior precision is {self.prior_precision}.")
         return self
