@@ -225,6 +225,11 @@ def _break(net, where):
 CURVATURE_PASSES = {
     "kfac": lambda net, lik, x, w: curvature.kfac(net, lik, x),
     "ggn_eigen": lambda net, lik, x, w: subspaces.ggn_eigen(net, lik, x, 2, w=w),
+    # every entry point of curvature.ggn shares the check (its `_setup`)
+    "ggn_diagonal": lambda net, lik, x, w: curvature.ggn_diagonal(net, lik, x, w=w),
+    "ggn_vector_product": lambda net, lik, x, w: curvature.ggn_vector_product(
+        net, lik, x, torch.ones(sum(p.numel() for p in net.parameters() if p.requires_grad), dtype=torch.float64), w=w
+    ),
 }
 
 

@@ -39,7 +39,7 @@ from .jacobians import (
     weighted,
 )
 from ..likelihoods import Likelihood, check_likelihood
-from ..validation import positive_int
+from ..validation import check_finite_state, positive_int
 from .blocks import JacobianBlockSource
 from .output_hessian import hessian_factor, output_hessian
 
@@ -63,10 +63,10 @@ def _setup(
     elif x.is_floating_point() and not torch.isfinite(x).all():
         raise ValueError("x: contains NaN or inf")
     positive_int(chunk_size, "chunk_size", allow_none=True)
-    if w is None:
-        return flat, flat.vector()
-    flat.check_weights(w, "w", batched=False)
-    return flat, w.detach()
+    if w is not None:
+        flat.check_weights(w, "w", batched=False)
+    check_finite_state(net, w)  # NaN weights would surface as non-finite outputs after a pass
+    return (flat, flat.vector()) if w is None else (flat, w.detach())
 
 
 def _inputs(x: object, chunk_size: int | None) -> Iterator[torch.Tensor]:

@@ -19,7 +19,7 @@ from ..curvature import (
     lanczos_eigh,
     thick_restart_lanczos_eigh,
 )
-from ..curvature.kfac.state import check_finite_state
+from ..validation import check_finite_state
 from ..flat import FlatNet
 from ..likelihoods import Likelihood, check_likelihood
 from ..threads import thread_policy

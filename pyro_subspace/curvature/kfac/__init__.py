@@ -89,8 +89,9 @@ The package, one concept a file (`__init__` re-exports the public names):
 - `fold`: an eval-mode BatchNorm as a scale and shift, and the Conv2d+BatchNorm fold.
 - `diagonal`: the exact GGN diagonal of every other covered parameter.
 - `mc`: the Monte Carlo Fisher's sampled scores (``fisher="mc"``, `MC_SEED`).
-- `state`: the network's weights, frozen parameters and buffers checked finite before a pass
-  (`check_finite_state`, also `subspaces.ggn_eigen`'s).
+
+The network's weights, frozen parameters and buffers are checked finite before a pass
+(`validation.check_finite_state`, shared with every curvature entry point).
 """
 
 from .blocks import KronBlock, KronFactors

@@ -28,7 +28,7 @@ from .diagonal import (
 from .fold import _affine_batchnorm, _Fold, _fold_pairs, _identity, _uses_running_stats
 from .layers import _check_calls, _check_modules, _fill_zeros, _Layer, _plan, _settle
 from .mc import _check_generator, _mc_factor
-from .state import check_finite_state
+from ...validation import check_finite_state
 
 __all__ = ["kfac"]
 
