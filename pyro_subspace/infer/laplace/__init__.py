@@ -5,11 +5,13 @@
   implementations (the covariance of the coordinates);
 - `predictive`: the linearised (GLM) predictive, eqs. (11)–(13) of Subnetwork Inference;
 - `tuning`: the prior precision by the evidence or a validation grid;
-- `front`: `Laplace(...)` (laplace-torch's habits) and the mean-field `DiagonalLaplace`.
+- `front`: `Laplace(...)` (laplace-torch's habits) and the mean-field `DiagonalLaplace`;
+- `marglik_training`: the network and its prior trained together by the evidence.
 """
 
 from .front import DiagonalLaplace, Laplace, all_weights
 from .guide import AutoSubspaceLaplace
+from .marglik_training import marglik_training
 from .predictive import linearized_moments, linearized_predictive, linearized_variances, probit
 from .posteriors import (
     POSTERIORS,
@@ -39,6 +41,7 @@ __all__ = [
     "linearized_predictive",
     "linearized_variances",
     "make_posterior",
+    "marglik_training",
     "probit",
     "validation_log_likelihood",
 ]
