@@ -141,6 +141,34 @@ def split_batch(batch: object, dict_key_y: str = DICT_KEY_Y) -> tuple[object, to
     return x, batch[1]
 
 
+class KeyedBatches(torch.utils.data.IterableDataset):
+    """A ``DataLoader`` of dict batches read as ``(x, y)`` pairs with the targets under
+    ``dict_key_y`` (laplace-torch's keyword): ``DataLoader(KeyedBatches(loader, "label"),
+    batch_size=None)`` is a loader every entry point reads; its length is the loader's rows."""
+
+    def __init__(self, loader: DataLoader, dict_key_y: str) -> None:
+        if not isinstance(dict_key_y, str):
+            raise TypeError(f"dict_key_y: expected a str, got {type(dict_key_y).__name__}")
+        self.loader, self.dict_key_y = loader, dict_key_y
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield split_batch(batch, self.dict_key_y)
+
+    def __len__(self) -> int:
+        return _loader_rows(self.loader)
+
+
+def keyed(x: object, dict_key_y: str) -> object:
+    """``x`` with its dict batches' targets read from ``dict_key_y`` (`KeyedBatches`) when it is
+    a ``DataLoader`` and the key is not the default; ``x`` itself otherwise."""
+    if not isinstance(dict_key_y, str):
+        raise TypeError(f"dict_key_y: expected a str, got {type(dict_key_y).__name__}")
+    if not isinstance(x, DataLoader) or dict_key_y == DICT_KEY_Y:
+        return x
+    return DataLoader(KeyedBatches(x, dict_key_y), batch_size=None)
+
+
 def as_tensors(
     x: object, y: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

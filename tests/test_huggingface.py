@@ -359,3 +359,18 @@ def test_the_causal_lm_likelihood_is_the_last_tokens_categorical(kind, answers):
     la = infer.Laplace(net, likelihoods.Categorical(), "all", "full", prior_precision=LAM).fit(x, y)
     prec = la.posterior_precision - LAM * torch.eye(theta.numel(), dtype=F64)
     assert float((prec - ggn).abs().max() / ggn.abs().max()) < EXACT
+
+
+def test_dict_key_y_names_the_targets_of_a_dict_loader():
+    """laplace-torch's ``Laplace(..., dict_key_x=, dict_key_y=)``: batches whose targets are
+    under another key give the same fit as the default ``"labels"``."""
+    model = _model("gpt2")
+    x, y, rows = _data()
+    renamed = [{"input_ids": r["input_ids"], "attention_mask": r["attention_mask"], "target": r["labels"]} for r in rows]
+    default = infer.Laplace(model, "classification", "all", "full", prior_precision=LAM).fit(DataLoader(rows, batch_size=3))
+    keyed = infer.Laplace(model, "classification", "all", "full", prior_precision=LAM, dict_key_x="input_ids", dict_key_y="target")
+    keyed.fit(DataLoader(renamed, batch_size=3))
+    torch.testing.assert_close(keyed.posterior_precision, default.posterior_precision, rtol=0, atol=0)
+    torch.testing.assert_close(keyed.log_marginal_likelihood(), default.log_marginal_likelihood())
+    with pytest.raises(ValueError, match="dict_key_y="):
+        infer.Laplace(model, "classification", "all", "full").fit(DataLoader(renamed, batch_size=3))

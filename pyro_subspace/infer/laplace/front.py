@@ -21,6 +21,7 @@ from torch import nn
 
 from ... import batch as batching
 from ... import validation as ck
+from ...data import DICT_KEY_X, DICT_KEY_Y, keyed
 from ...flat import FlatNet, flat_parameters
 from ...linalg import gaussian_draws
 from ...likelihoods import Categorical, Gaussian, Likelihood, check_likelihood, check_temperature
@@ -64,6 +65,8 @@ def Laplace(
     backend: type | None = None,
     backend_kwargs: dict | None = None,
     asdl_fisher_kwargs: dict | None = None,
+    dict_key_x: str = DICT_KEY_X,
+    dict_key_y: str = DICT_KEY_Y,
     **strategy_kwargs: object,
 ) -> NetLaplace:
     """A linearised Laplace approximation of ``net`` at its current weights (the MAP).
@@ -89,6 +92,10 @@ def Laplace(
             of ``"kron"`` (``structure_options={"fisher": "mc"}``); nothing else is accepted.
         asdl_fisher_kwargs: laplace-torch's; ``{"kfac_approx": "expand" | "reduce"}`` is
             ``"kron"``'s ``conv``.
+        dict_key_x, dict_key_y: laplace-torch's keys of a loader's dict batches: the targets
+            are ``batch[dict_key_y]`` and the inputs every other entry (passed to the network
+            by `batch`'s rule); ``dict_key_x`` names the entry whose rows laplace-torch counts
+            (here any entry's: they share their first dimension).
         subset_of_weights: ``"last_layer"`` (`LastLayerSubspace` for a final ``nn.Linear``),
             ``"all"`` (every weight that requires grad: frozen parameters keep their values,
             as in laplace-torch), ``"subnetwork"`` (``n_params`` weights chosen by
@@ -226,7 +233,11 @@ def Laplace(
         model, hessian_structure=hessian_structure, chunk_size=chunk_size, rank=rank,
         structure_options=structure_options,
     )  # fmt: skip
+    for name, key in (("dict_key_x", dict_key_x), ("dict_key_y", dict_key_y)):
+        if not isinstance(key, str):
+            raise TypeError(f"{name}: expected a str, got {type(key).__name__}")
     la = NetLaplace(guide, subset_of_weights, reward_modeling=reward_modeling)
+    la.dict_key_y = dict_key_y
     if sigma_noise is not None:
         la.sigma_noise = sigma_noise  # a Gaussian likelihood object given with sigma_noise too
     return la
@@ -534,6 +545,7 @@ class NetLaplace(nn.Module):
             )
         ck.choice(progress_bar, "progress_bar", (True, False))
         self._flush()
+        x = keyed(x, self.__dict__.get("dict_key_y", DICT_KEY_Y))  # laplace-torch's dict_key_y
         self._fit_at_current_weights(x, y, find_map=find_map, **kwargs)
         return self
 
