@@ -29,7 +29,7 @@ from ...nn import SubspaceNet
 from ...subspaces import IndexSubspace, LastLayerSubspace, Subspace, subnetwork
 from ...transaction import transaction
 from .guide import AutoSubspaceLaplace
-from .predictive import joint_moments, linearized_moments, linearized_variances
+from .predictive import differentiable_moments, joint_moments, linearized_moments, linearized_variances
 from .posteriors import check_structure
 from .tuning import optimize_prior_precision
 
@@ -67,6 +67,7 @@ def Laplace(
     asdl_fisher_kwargs: dict | None = None,
     dict_key_x: str = DICT_KEY_X,
     dict_key_y: str = DICT_KEY_Y,
+    enable_backprop: bool = False,
     **strategy_kwargs: object,
 ) -> NetLaplace:
     """A linearised Laplace approximation of ``net`` at its current weights (the MAP).
@@ -96,6 +97,9 @@ def Laplace(
             are ``batch[dict_key_y]`` and the inputs every other entry (passed to the network
             by `batch`'s rule); ``dict_key_x`` names the entry whose rows laplace-torch counts
             (here any entry's: they share their first dimension).
+        enable_backprop: laplace-torch's: the GLM predictive's moments (and ``la(x)``,
+            `functional_samples`) differentiable in the inputs, for Bayesian optimisation
+            (`predictive.differentiable_moments`: ``J`` by ``torch.func``, the dense ``Σ``).
         subset_of_weights: ``"last_layer"`` (`LastLayerSubspace` for a final ``nn.Linear``),
             ``"all"`` (every weight that requires grad: frozen parameters keep their values,
             as in laplace-torch), ``"subnetwork"`` (``n_params`` weights chosen by
@@ -238,6 +242,7 @@ def Laplace(
             raise TypeError(f"{name}: expected a str, got {type(key).__name__}")
     la = NetLaplace(guide, subset_of_weights, reward_modeling=reward_modeling)
     la.dict_key_y = dict_key_y
+    la.enable_backprop = bool(ck.choice(enable_backprop, "enable_backprop", (True, False)))
     if sigma_noise is not None:
         la.sigma_noise = sigma_noise  # a Gaussian likelihood object given with sigma_noise too
     return la
@@ -440,21 +445,22 @@ class NetLaplace(nn.Module):
                     "regression with pred_type='glm' (laplace-torch ignores it otherwise); "
                     "leave joint=False"
                 )
-            f_mu, f_cov = joint_moments(self.guide, x)
+            f_mu, f_cov = self._glm_moments(x, joint=True)
             return _to_net_dtype((f_mu, f_cov), dtype)
         if self.reward_modeling:  # fitted as classification, predicts the scores as regression
             regression = Gaussian()  # its glm and nn outputs: the moments, without σ²
             if pred_type == "nn":
                 out = regression.sample_prediction(self._nn_samples(x, n_samples, generator))
             else:
-                f_mu, f_var = linearized_moments(self.guide, x)
+                f_mu, f_var = self._glm_moments(x)
                 out = regression.glm_prediction(f_mu, f_var, "auto", diagonal_output=diagonal_output)
             return _to_net_dtype(out, dtype)
         if pred_type == "nn":  # shape: (S, N, O)
             out = lik.sample_prediction(self._nn_samples(x, n_samples, generator))
         else:
             glm_link = link_approx if link_approx in lik.link_approxes else "auto"
-            if glm_link == "probit" and batching.rows_or_none(x):
+            backprop = self.__dict__.get("enable_backprop", False)
+            if glm_link == "probit" and batching.rows_or_none(x) and not backprop:
                 # the variances alone ((N, C), never (N, C, C)), chunk by chunk: beside the
                 # result, memory of one chunk's float64 moments (a 1000-class last layer on
                 # 10,000 inputs: not five (N, C) float64 temporaries at once)
@@ -466,7 +472,7 @@ class NetLaplace(nn.Module):
                     for xc in batching.split(x, self.guide.chunk_size)
                 ]
                 return _cat_rows(parts)
-            f_mu, f_var = linearized_moments(self.guide, x)
+            f_mu, f_var = self._glm_moments(x)
             out = lik.glm_prediction(
                 f_mu, f_var, link_approx, n_samples, generator, diagonal_output
             )
@@ -506,11 +512,18 @@ class NetLaplace(nn.Module):
         if pred_type == "nn":
             samples = self._nn_samples(x, n_samples, generator)
         else:
-            f_mu, f_var = linearized_moments(self.guide, x)
+            f_mu, f_var = self._glm_moments(x)
             if diagonal_output:
                 f_var = torch.diag_embed(f_var.diagonal(dim1=-2, dim2=-1))
             samples = gaussian_draws(f_mu, f_var, n_samples, generator)
         return _to_net_dtype(samples, self.model.subspace.shift.dtype)
+
+    def _glm_moments(self, x, joint: bool = False):
+        """The linearised predictive's moments (`linearized_moments`, `joint_moments`), or
+        with ``enable_backprop`` their differentiable form (`differentiable_moments`)."""
+        if self.__dict__.get("enable_backprop", False):
+            return differentiable_moments(self.guide, x, joint)
+        return joint_moments(self.guide, x) if joint else linearized_moments(self.guide, x)
 
     def _nn_samples(self, x, n_samples: int, generator) -> torch.Tensor:
         """Outputs ``(S, N, O)`` of the network at ``S`` weight draws."""

@@ -81,6 +81,32 @@ def joint_moments(
     return torch.cat(outs).reshape(-1), f_cov.double()
 
 
+def differentiable_moments(
+    guide: AutoGuide, x: torch.Tensor, joint: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The linearised predictive's moments as differentiable functions of the inputs
+    (laplace-torch's ``enable_backprop=True``: acquisition functions of Bayesian optimisation
+    take gradients in ``x``): ``f(x)`` ``(N, O)`` and ``J Σ Jᵀ`` ``(N, O, O)`` (``joint``:
+    ``(N·O,)`` and ``(N·O, N·O)``), ``J = ∂f/∂t`` ``(N, O, K)`` by ``torch.func.jacrev`` in the
+    coordinates at ``t*`` with the graph to ``x`` kept, ``Σ`` the posterior's dense covariance
+    ``(K, K)`` (for the small networks and subsets this is used with)."""
+    guide = _check_guide(guide)
+    guide.model.check_data(x)
+    model = guide.model
+    t0 = guide.loc.detach().to(model.subspace.shift.dtype)
+
+    def outputs(t: torch.Tensor) -> torch.Tensor:
+        return model.outputs(t, x)
+
+    jac = torch.func.jacrev(outputs)(t0)  # (N, O, K), differentiable in x
+    f_mean = outputs(t0)
+    cov = guide.posterior.covariance().to(jac.dtype)
+    if joint:
+        flat_jac = jac.reshape(-1, jac.shape[-1])
+        return f_mean.reshape(-1), flat_jac @ cov @ flat_jac.T
+    return f_mean, torch.einsum("nok,kl,npl->nop", jac, cov, jac)
+
+
 def linearized_variances(
     guide: AutoGuide, x: torch.Tensor, chunk_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
