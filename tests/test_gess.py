@@ -81,7 +81,13 @@ def wrong_references():
 
 @pytest.mark.parametrize(
     "name, df",
-    [("shifted", None), ("too narrow", None), ("too wide", None), ("far shifted", 4)],
+    [
+        ("shifted", None),
+        ("too narrow", None),
+        ("too wide", None),
+        ("far shifted", 4),
+        ("far shifted", 4.5),  # a real ν: χ²_{ν+K} drawn as 2 Gamma((ν + K)/2)
+    ],
 )
 def test_wrong_fixed_reference_still_samples_the_posterior(name, df):
     *_, mean, cov = problem()
@@ -198,8 +204,9 @@ def test_bad_arguments_are_named():
         GeneralizedEllipticalSliceSampler(lambda: None)
     with pytest.raises(ValueError, match="reference"):
         GeneralizedEllipticalSliceSampler(prior=prior, log_likelihood=loglik, reference="nope")
-    with pytest.raises(ValueError, match="df"):
-        GeneralizedEllipticalSliceSampler(prior=prior, log_likelihood=loglik, df=2.5)
+    for df in (0, -1.5, True, "5"):  # a real ν > 0 is a t reference (2.5 too, since issue 34)
+        with pytest.raises(ValueError, match="df: expected None"):
+            GeneralizedEllipticalSliceSampler(prior=prior, log_likelihood=loglik, df=df)
     with pytest.raises(TypeError, match="adapt"):
         GeneralizedEllipticalSliceSampler(prior=prior, log_likelihood=loglik, adapt="yes")
     with pytest.raises(ValueError, match="chains"):

@@ -30,7 +30,7 @@ class GeneralizedEllipticalSliceSampler(EllipticalSliceSampler):
         self,
         model: Any = None,
         reference: Any = "warmup",
-        df: int | None = None,
+        df: float | None = None,
         adapt: bool | None = None,
         chains: int | None = None,
         seed: int | None = None,

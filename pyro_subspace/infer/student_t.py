@@ -25,6 +25,13 @@ using EM and its extensions, ECM and ECME", Statistica Sinica 5):
 Each step raises the objective (an ECME iteration is monotone), so the loop stops when one
 iteration gains less than ``tol`` nats per state.
 
+*A prior on ν.* From a handful of states the likelihood of ``ν`` is nearly flat above ``ν ≈ 10``
+and its maximum is often ``∞``: the states cannot show tails. ``df_prior=(a, b)`` adds the log
+density of a ``Gamma(a, b)`` prior on ``ν`` (Juárez & Steel 2010 propose ``Gamma(2, 0.1)``:
+mode 10, mean 20) and ``ν`` is then its posterior mode, the root of the score plus
+``(2/n)((a − 1)/ν − b)``: always finite, near the prior's mode for few states and the maximum
+likelihood one for many.
+
 *Few states.* A scale matrix needs more states than coordinates: with fewer than
 ``min_states = K + 2`` (or a degenerate set, e.g. chains stuck at one point) the ML scale is
 singular. The fit then maximises the log-likelihood plus an inverse-Wishart-shaped penalty
@@ -90,6 +97,7 @@ def fit_multivariate_t(
     tol: float = 1e-9,
     max_iter: int = 1000,
     df_bounds: tuple[float, float] = DF_BOUNDS,
+    df_prior: tuple[float, float] | None = None,
 ) -> StudentTFit:
     """The maximum-likelihood multivariate t of the rows of ``x`` (ECME, Liu & Rubin 1995).
 
@@ -104,6 +112,8 @@ def fit_multivariate_t(
         max_iter: iterations at most (``converged`` is False when they run out).
         df_bounds: the interval of the root search for ``ν`` (the derivative's sign at the
             upper bound decides ``ν = ∞``; below the lower bound ``ν`` is clipped to it).
+        df_prior: ``None`` (maximum likelihood) or ``(a, b)``: ``ν`` is the mode of its
+            posterior under a ``Gamma(a, b)`` prior (shape ``a ≥ 1``, rate ``b > 0``).
 
     Returns:
         A `StudentTFit` ``(loc (K,), scale (K, K), df, log_likelihood, iterations, converged,
@@ -137,15 +147,27 @@ def fit_multivariate_t(
     lo, hi = df_bounds
     if not 0 < lo < hi:
         raise ValueError(f"df_bounds: expected 0 < low < high, got {df_bounds!r}")
+    if df_prior is not None:
+        if (
+            not isinstance(df_prior, tuple)
+            or len(df_prior) != 2
+            or not df_prior[0] >= 1
+            or not df_prior[1] > 0
+        ):
+            raise ValueError(
+                f"df_prior: expected None or (shape >= 1, rate > 0) of a Gamma prior, got "
+                f"{df_prior!r}"
+            )
+        df_prior = (float(df_prior[0]), float(df_prior[1]))
     if not tol > 0:
         raise ValueError(f"tol: expected a positive number, got {tol!r}")
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
         raise ValueError(f"max_iter: expected a positive int, got {max_iter!r}")
 
     shrink = float(max(0, min_states - n))
-    fit = _ecme(x, df, fallback, shrink, tol, max_iter, df_bounds)
+    fit = _ecme(x, df, fallback, shrink, tol, max_iter, df_bounds, df_prior)
     if fit is None:  # degenerate states: as many pseudo-states as a fit needs
-        fit = _ecme(x, df, fallback, float(min_states), tol, max_iter, df_bounds)
+        fit = _ecme(x, df, fallback, float(min_states), tol, max_iter, df_bounds, df_prior)
     return fit
 
 
@@ -163,7 +185,7 @@ def _states(x: Any) -> np.ndarray:
     return x
 
 
-def _ecme(x, df, fallback, shrink, tol, max_iter, df_bounds) -> StudentTFit | None:
+def _ecme(x, df, fallback, shrink, tol, max_iter, df_bounds, df_prior) -> StudentTFit | None:
     """ECME from the states' mean and (shrunk) covariance, ``ν`` = 20 (or the fixed one);
     ``None`` when the scale is not positive definite (degenerate states, no shrinkage)."""
     n, k = x.shape
@@ -183,6 +205,7 @@ def _ecme(x, df, fallback, shrink, tol, max_iter, df_bounds) -> StudentTFit | No
         return None
     delta = _mahalanobis(x, loc, tril)
     objective = _log_density(delta, tril, nu, k).sum() + _penalty(tril, target, shrink)
+    objective += _log_df_prior(nu, df_prior) if df is None else 0.0
     converged, it = False, 0
     for it in range(1, max_iter + 1):
         weights = np.ones(n) if math.isinf(nu) else (nu + k) / (nu + delta)  # E-step
@@ -194,9 +217,10 @@ def _ecme(x, df, fallback, shrink, tol, max_iter, df_bounds) -> StudentTFit | No
             return None
         delta = _mahalanobis(x, loc, tril)
         if df is None:  # the "either" step: ν maximises the observed likelihood
-            nu = _df_root(delta, k, df_bounds, nu)
+            nu = _df_root(delta, k, df_bounds, nu, df_prior)
         loglik = _log_density(delta, tril, nu, k).sum()
         new = loglik + _penalty(tril, target, shrink)  # the objective ECME raises
+        new += _log_df_prior(nu, df_prior) if df is None else 0.0
         gain, objective = new - objective, new
         if abs(gain) < tol * n:
             converged = True
@@ -249,9 +273,18 @@ def _log_density(delta: np.ndarray, tril: np.ndarray, nu: float, k: int) -> np.n
     return const - half_logdet - 0.5 * (nu + k) * np.log1p(delta / nu)
 
 
-def _df_score(nu: float, delta: np.ndarray, k: int) -> float:
-    """``(2/n) ∂ℓ/∂ν`` at fixed ``(μ, Σ)`` (Liu & Rubin 1995's ECME step), in a form that keeps
-    its precision for large ``ν``: ``log w − w + 1 = log1p(a) − a`` with ``w = 1 + a``."""
+def _log_df_prior(nu: float, prior: tuple[float, float] | None) -> float:
+    """``log Gamma(ν | a, b)`` up to a constant; 0 without a prior."""
+    if prior is None:
+        return 0.0
+    return (prior[0] - 1) * math.log(nu) - prior[1] * nu
+
+
+def _df_score(nu: float, delta: np.ndarray, k: int, prior=None) -> float:
+    """``(2/n) ∂(ℓ + log p(ν))/∂ν`` at fixed ``(μ, Σ)`` (Liu & Rubin 1995's ECME step), in a
+    form that keeps its precision for large ``ν``: ``log w − w + 1 = log1p(a) − a`` with
+    ``w = 1 + a``."""
+    n = delta.shape[0]
     a = (k - delta) / (nu + delta)
     digammas = (
         special.digamma(0.5 * (nu + k))
@@ -259,24 +292,29 @@ def _df_score(nu: float, delta: np.ndarray, k: int) -> float:
         - special.digamma(0.5 * nu)
         + math.log(0.5 * nu)
     )
-    return float(digammas + (np.log1p(a) - a).sum() / a.shape[0])
+    score = float(digammas + (np.log1p(a) - a).sum() / n)
+    if prior is not None:
+        score += 2.0 / n * ((prior[0] - 1) / nu - prior[1])
+    return score
 
 
-def _df_root(delta: np.ndarray, k: int, bounds: tuple[float, float], guess: float) -> float:
+def _df_root(
+    delta: np.ndarray, k: int, bounds: tuple[float, float], guess: float, prior=None
+) -> float:
     """The root of `_df_score` in ``log ν`` (`scipy.optimize.brentq`), bracketed first around
     the previous iteration's ``ν`` (a factor 4 either way), else over ``bounds``; ``∞`` when
     the score is still positive at the upper bound, the lower bound when negative there."""
     lo, hi = bounds
     if lo < guess < hi:  # a narrow bracket saves most of brentq's evaluations
         a, b = max(lo, guess / 4), min(hi, guess * 4)
-        if _df_score(a, delta, k) > 0 > _df_score(b, delta, k):
+        if _df_score(a, delta, k, prior) > 0 > _df_score(b, delta, k, prior):
             lo, hi = a, b
-    if hi == bounds[1] and _df_score(hi, delta, k) >= 0:  # rising to the Gaussian limit
+    if hi == bounds[1] and _df_score(hi, delta, k, prior) >= 0:  # rising to the Gaussian limit
         return math.inf
-    if lo == bounds[0] and _df_score(lo, delta, k) <= 0:
+    if lo == bounds[0] and _df_score(lo, delta, k, prior) <= 0:
         return lo
     u = optimize.brentq(
-        lambda u: _df_score(math.exp(u), delta, k),
+        lambda u: _df_score(math.exp(u), delta, k, prior),
         math.log(lo),
         math.log(hi),
         xtol=1e-10,
