@@ -374,3 +374,30 @@ def test_dict_key_y_names_the_targets_of_a_dict_loader():
     torch.testing.assert_close(keyed.log_marginal_likelihood(), default.log_marginal_likelihood())
     with pytest.raises(ValueError, match="dict_key_y="):
         infer.Laplace(model, "classification", "all", "full").fit(DataLoader(renamed, batch_size=3))
+
+
+def test_mola_over_adapters_shares_one_base_and_equals_mola_over_copies():
+    """`MixtureOfLaplace.from_adapters`: three LoRA adapters of one GPT-2 give the mixture of
+    three deep copies (one adapter each) to rounding, holding one model and three adapters."""
+    from pyro_subspace.infer import MixtureOfLaplace
+    from pyro_subspace.infer.laplace import all_weights
+
+    model = _model("gpt2")
+    x, y, _ = _data()
+    flat = FlatNet(model)
+    adapters = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        adapters.append(flat.vector() + 0.05 * torch.randn(flat.num_weights, dtype=F64))
+    copies = []
+    for w in adapters:
+        member = copy.deepcopy(model)
+        FlatNet(member).load_vector(w)
+        copies.append(member)
+    w0 = flat.vector()
+    shared = MixtureOfLaplace.from_adapters(model, adapters, likelihoods.Categorical(), hessian_structure="kron").fit(x, y)
+    separate = MixtureOfLaplace(copies, likelihoods.Categorical(), subset=all_weights, hessian_structure="kron").fit(x, y)
+    torch.testing.assert_close(shared.predict(x).probs, separate.predict(x).probs, rtol=1e-9, atol=1e-12)
+    assert torch.equal(flat.vector(), w0)  # the shared network's weights are put back
+    assert {id(m.flat.net) for m, _ in shared.members} == {id(model)}
+    assert all(m.subspace.shift.numel() == flat.num_weights for m, _ in shared.members)

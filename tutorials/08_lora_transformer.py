@@ -53,7 +53,6 @@ except ImportError:  # the [hf] extra
 
 from pyro_subspace import EllipticalSliceSampler, SubspaceNet, fit_map, infer, likelihoods, metrics, subspaces
 from pyro_subspace.flat import FlatNet
-from pyro_subspace.infer.laplace import all_weights
 
 TINY = os.environ.get("PYRO_SUBSPACE_TINY") == "1"
 OUT = Path(os.environ.get("PYRO_SUBSPACE_OUT", "out"))
@@ -201,15 +200,20 @@ results.append(scores("LoRA subspace ESS", bma_in, bma_shift))
 
 # %% [markdown]
 # ## MoLA over three adapters
-# Three adapters from different seeds, each with its K-FAC Laplace over the adapter, mixed
-# with equal weights (the paper's mixture probit predictive).
+# Three adapters from different seeds, trained one after the other on the *same* base (the
+# frozen transformer is never copied: three members cost three adapters), each with its K-FAC
+# Laplace over the adapter, mixed with equal weights (the paper's mixture probit predictive).
 
 # %%
-members = [model] + [lora_classifier(seed) for seed in (1, 2)]
-for member in members[1:]:
-    fit_map(member, lik, train_loader, epochs=EPOCHS, lr=3e-3, weight_decay=1e-4)
-    member.eval()
-mola = infer.MixtureOfLaplace(members, lik, subset=all_weights, hessian_structure="kron")
+flat = FlatNet(model)
+adapters = [flat.vector()]  # seed 0: the adapter trained above
+for seed in (1, 2):
+    flat.load_vector(FlatNet(lora_classifier(seed)).vector())  # a fresh adapter and head
+    fit_map(model, lik, train_loader, epochs=EPOCHS, lr=3e-3, weight_decay=1e-4)
+    adapters.append(flat.vector())
+flat.load_vector(adapters[0])
+model.eval()
+mola = infer.MixtureOfLaplace.from_adapters(model, adapters, lik, hessian_structure="kron")
 mola.fit(train_loader)
 results.append(scores("MoLA (3 adapters)", mola.predict(x_test).probs, mola.predict(x_shift).probs))
 

@@ -37,10 +37,10 @@ from torch.utils.data import Dataset as TorchDataset
 
 from .. import batch as batching
 from .. import validation
-from ..flat import eval_mode
+from ..flat import FlatNet, eval_mode
 from ..likelihoods import Likelihood, check_temperature
 from ..nn import SubspaceNet
-from ..subspaces import Subspace, subnetwork
+from ..subspaces import IndexSubspace, Subspace, subnetwork
 from ..transaction import transaction
 from .ensembles import (
     MixturePredictor,
@@ -169,6 +169,28 @@ class MixtureOfLaplace(MixturePredictor):
         self.chunk_size = chunk_size
         self.members: list[tuple[SubspaceNet, AutoSubspaceLaplace]] = []
         self.log_evidences: torch.Tensor | None = None
+
+    @classmethod
+    def from_adapters(
+        cls, net: nn.Module, adapters: Sequence[torch.Tensor], likelihood: Likelihood, **kwargs: object
+    ) -> MixtureOfLaplace:
+        """MoLA over ``K`` adapters of one network (LoRA seeds on one frozen base): member
+        ``k``'s Laplace is over all the trainable weights (the adapter and any trainable head)
+        at ``adapters[k]``, its flat trainable weights ``(D,)`` (``FlatNet(net).vector()``
+        after training seed ``k``). The network is shared: ``K`` members cost ``K`` adapters,
+        not ``K`` models (each member's curvature and predictions load its adapter into the
+        network and put the network's weights back). ``kwargs``: the constructor's (not
+        ``subset``)."""
+        if "subset" in kwargs:
+            raise TypeError("subset: from_adapters puts each member on all the trainable weights; leave it out")
+        flat = FlatNet(net)
+        if isinstance(adapters, torch.Tensor) or not isinstance(adapters, Sequence) or not adapters:
+            raise TypeError("adapters: expected a non-empty list of flat trainable weight vectors (D,)")
+        for i, w in enumerate(adapters):
+            flat.check_weights(w, f"adapters[{i}]", batched=False)
+        index = torch.arange(flat.num_weights)
+        subs = [IndexSubspace(w.detach().to(flat.vector()), index.to(w.device)) for w in adapters]
+        return cls([net] * len(adapters), likelihood, subset=subs, **kwargs)
 
     # ------------------------------------------------------------------ fitting
 
