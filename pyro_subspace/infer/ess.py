@@ -75,6 +75,7 @@ from pyro import poutine
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
 from .. import distributed
+from ..diagnostics import check_draws
 from ..exceptions import ConvergenceWarning, UnsupportedModelError
 from ..validation import positive_int
 from .gaussian_prior import (
@@ -636,6 +637,8 @@ class EllipticalSliceSampler(MCMCKernel):
         self._restore: Callable[[], None] | None = None
         self.transforms: dict = {}
         self.last_info: SliceInfo | None = None
+        #: with ``reference="auto"``: the `diagnostics.ConvergenceReport` of the latest run
+        self.convergence = None
         self._t = self._evals = 0  # the latest chain's transitions and likelihood evaluations
         self._chain = 0  # with rng="chains": the latest chain's row in its batch
         self._reset_run()
@@ -824,8 +827,24 @@ class EllipticalSliceSampler(MCMCKernel):
             self._restore = None
         b = self._batch
         if b is not None and b.opened >= b.size:
+            if isinstance(b, _Population) and not b.checked and self._step > b.warmup:
+                b.checked = True  # Pyro's driver calls cleanup twice per chain
+                draws = torch.stack(b.states[b.warmup + 1 : self._step + 1], 1)  # (C, n, K)
+                self.convergence = check_draws(
+                    {"t": draws},
+                    populations=b.population,
+                    kernel=self,
+                )
             b.states = b.states[:1]  # free the trajectory; the batch is finished
         self._reset_run()
+
+    @property
+    def chain_populations(self) -> list[int] | None:
+        """With ``reference="auto"``: the population of each chain of the latest batch (chains
+        of one population are coupled through their references, populations independent), for
+        `diagnostics.check`; else ``None``."""
+        b = self._batch
+        return list(b.population) if isinstance(b, _Population) else None
 
     @property
     def evaluations_per_draw(self) -> float:
@@ -1201,6 +1220,7 @@ class _Population(_Batch):
         #: ``(step, population, group, ν)`` of every fit: the reference each group used from
         #: ``step`` on
         self.fits: list[tuple[int, int, int, float]] = []
+        self.checked = False  # diagnostics.check ran at the end of the run
 
     @property
     def mu(self) -> np.ndarray:
