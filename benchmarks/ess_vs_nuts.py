@@ -28,8 +28,18 @@ in ``--rounds`` rounds with the same seed (same draws), best time kept; NUTS and
 (their cost). Wall times include the Laplace fit and warm-up. The load average is printed per
 block. ``--load`` runs a busy-loop Python process alongside.
 
+``GESS-auto`` (issue 34) is ``EllipticalSliceSampler(model, reference="auto", chains=4 (K + 2))``:
+Nishihara et al.'s population scheme, two independent populations of two groups of ``K + 2``
+chains, each group's multivariate t fitted to the other group's current states, in warm-up and
+sampling; its wall time includes the Laplace fit (its start) and every t fit. Its R-hat is
+the larger of the chains' and the populations' (`diagnostics.check`). Every row also shows the
+smallest tail ESS and ``|dm|/se``, the largest difference of a posterior mean from NUTS's in
+units of ``sqrt(MCSE² + MCSE_NUTS²)`` (ArviZ's MCSE of the mean). ``--ranks``, ``--samplers``
+and ``--auto-draws`` select rows and the GESS-auto chain length.
+
     python benchmarks/ess_vs_nuts.py [--draws 400] [--warmup 200] [--quick]
     python benchmarks/ess_vs_nuts.py --gess [--draws 1000] [--chains 4] [--load] [--quick]
+        [--temperatures auto,1] [--data toy,diabetes] [--ranks 2,5,10] [--samplers ...]
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import arviz as az
 import pyro
@@ -50,6 +61,7 @@ from pyro.infer import MCMC, NUTS
 from torch import nn
 
 from pyro_subspace import (
+    ConvergenceWarning,
     EllipticalSliceSampler,
     SubspaceNet,
     datasets,
@@ -57,7 +69,9 @@ from pyro_subspace import (
     likelihoods,
     subspaces,
 )
+from pyro_subspace.diagnostics import check
 from pyro_subspace.infer import EllipticalSliceSampler as _Kernel
+from pyro_subspace.infer.ess import one_process
 
 
 def load_average() -> list[str]:
@@ -210,22 +224,35 @@ def ess_memory_child(n: int) -> None:
     print(setup, peak() - before)
 
 
+def auto_chains(rank: int) -> int:
+    """``C = 4 (K + 2)``: two populations of two groups of ``K + 2`` chains."""
+    return 4 * (rank + 2)
+
+
 def slice_kernel(kind: str, model: SubspaceNet, chains: int):
     if kind == "ESS":
         return EllipticalSliceSampler(model)
+    if kind == "GESS-auto":
+        return _Kernel(model, reference="auto", chains=chains, seed=0)
     batched = chains if kind == "GESS-bat" else None
     return _Kernel(model, reference="laplace", chains=batched, seed=0)
 
 
 def run_chains(kernel, x, y, draws: int, warmup: int, chains: int):
-    """``(seconds, min bulk ESS, max R-hat, evaluations/draw, batched passes/draw)``."""
+    """``(seconds, min bulk ESS, max R-hat, evaluations/draw, batched passes/draw, min tail ESS,
+    posterior means (K,), their MCSE (K,))``. R-hat of ``reference="auto"``: the larger of the
+    chains' and the independent populations' (`diagnostics.check`)."""
     pyro.set_rng_seed(0)
     mcmc = MCMC(
         kernel, num_samples=draws, warmup_steps=warmup, num_chains=chains, disable_progbar=True
     )
+    one_process(mcmc)  # every chain in this process (reference="auto" needs it; the others
+    # ran so before: this machine has fewer cores than chains)
     counter = CallCounter(kernel.model)
     start = time.perf_counter()
-    mcmc.run(x, y)
+    with warnings.catch_warnings():  # the table shows R-hat and ESS; no warning text in it
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        mcmc.run(x, y)
     seconds = time.perf_counter() - start
     counter.handle.remove()
     diag = mcmc.diagnostics()
@@ -234,23 +261,39 @@ def run_chains(kernel, x, y, draws: int, warmup: int, chains: int):
     else:  # NUTS: model calls with gradient, minus the driver's set-up traces
         evals = max(counter.calls - 2 * chains, 0) / (chains * (draws + warmup))
     passes = diag.get("passes per draw", {}).get("chain 0", evals)
-    posterior = az.from_dict(posterior={"t": mcmc.get_samples(group_by_chain=True)["t"].numpy()})
-    ess = float(az.ess(posterior, method="bulk")["t"].min())
-    rhat = float(az.rhat(posterior)["t"].max())
-    return seconds, ess, rhat, evals, passes
+    samples = mcmc.get_samples(group_by_chain=True)["t"].numpy()
+    posterior = az.from_dict(posterior={"t": samples})
+    report = check(mcmc, warn=False)
+    mcse = az.mcse(posterior, method="mean")["t"].values
+    return (
+        seconds,
+        report.min_ess_bulk,
+        report.max_rhat,
+        evals,
+        passes,
+        report.min_ess_tail,
+        samples.reshape(-1, samples.shape[-1]).mean(0),
+        mcse,
+    )
 
 
 def gess_tables(args) -> None:
-    kinds = ("ESS", "GESS-sep", "GESS-bat")
+    kinds = [k for k in ("ESS", "GESS-sep", "GESS-bat", "GESS-auto") if k in args.samplers]
     print(
         f"{args.draws} draws + {args.warmup} warm-up per chain; slice kernels {args.chains} "
         f"chains (generalised: best of {args.rounds} interleaved rounds), "
+        f"GESS-auto 4(K + 2) chains (two populations), "
         f"NUTS {args.nuts_chains} chains "
         f"(one round); torch threads {torch.get_num_threads()}; CPU"
     )
+    print(
+        "R-hat: rank-normalised split R-hat, max over coordinates (GESS-auto: also across its "
+        "populations); |dm|/se: max over coordinates of |mean - mean NUTS| / "
+        "sqrt(MCSE^2 + MCSE_NUTS^2)"
+    )
     head = (
-        f"{'T':<6}{'data':<9}{'K':>3} {'sampler':<9}{'wall s':>8}{'bulk ESS':>9}{'ESS/s':>9}"
-        f"{'R-hat':>7}{'evals/draw':>11}{'passes':>7}{'vs NUTS':>8}"
+        f"{'T':<6}{'data':<9}{'K':>3} {'sampler':<10}{'wall s':>8}{'bulk ESS':>9}{'tail ESS':>9}"
+        f"{'ESS/s':>9}{'R-hat':>7}{'evals/draw':>11}{'passes':>7}{'vs NUTS':>8}{'|dm|/se':>8}"
     )
     print(head)
     cache: dict = {}
@@ -263,23 +306,35 @@ def gess_tables(args) -> None:
                 cache[name] = trained(name, args.quick)
             data, net, lik, col = cache[name]
             x, y = data.x_train, data.y_train
-            for rank in (2, 5, 10):
+            for rank in [int(r) for r in args.ranks.split(",")]:
                 model = SubspaceNet(net, subspaces.pca(col, rank), lik, temperature=temp)
                 nuts = run_chains(NUTS(model), x, y, args.draws, args.warmup, args.nuts_chains)
-                plain = slice_kernel("ESS", model, 0)
-                rows = {"ESS": run_chains(plain, x, y, args.draws, args.warmup, args.chains)}
+                rows = {}
+                if "ESS" in kinds:
+                    plain = slice_kernel("ESS", model, 0)
+                    rows["ESS"] = run_chains(plain, x, y, args.draws, args.warmup, args.chains)
                 for _ in range(args.rounds):
-                    for kind in kinds[1:]:
-                        kernel = slice_kernel(kind, model, args.chains)
-                        res = run_chains(kernel, x, y, args.draws, args.warmup, args.chains)
+                    for kind in kinds:
+                        if kind == "ESS":
+                            continue
+                        chains = auto_chains(rank) if kind == "GESS-auto" else args.chains
+                        draws = args.auto_draws if kind == "GESS-auto" else args.draws
+                        kernel = slice_kernel(kind, model, chains)
+                        res = run_chains(kernel, x, y, draws, args.warmup, chains)
                         if kind not in rows or res[0] < rows[kind][0]:
                             rows[kind] = res
                 rate_nuts = nuts[1] / nuts[0]
-                for kind, (secs, ess, rhat, evals, passes) in [("NUTS", nuts), *rows.items()]:
-                    ratio = "" if kind == "NUTS" else f"{ess / secs / rate_nuts:>8.1f}"
+                for kind, row in [("NUTS", nuts), *rows.items()]:
+                    secs, ess, rhat, evals, passes, tail, mean, mcse = row
+                    ratio, shift = f"{'':>8}", ""
+                    if kind != "NUTS":
+                        ratio = f"{ess / secs / rate_nuts:>8.1f}"
+                        se = (mcse**2 + nuts[7] ** 2) ** 0.5
+                        shift = f"{float((abs(mean - nuts[6]) / se).max()):>8.2f}"
                     print(
-                        f"{label:<6}{name:<9}{rank:>3} {kind:<9}{secs:>8.1f}{ess:>9.0f}"
-                        f"{ess / secs:>9.1f}{rhat:>7.3f}{evals:>11.2f}{passes:>7.2f}{ratio}",
+                        f"{label:<6}{name:<9}{rank:>3} {kind:<10}{secs:>8.1f}{ess:>9.0f}"
+                        f"{tail:>9.0f}{ess / secs:>9.1f}{rhat:>7.3f}{evals:>11.2f}{passes:>7.2f}"
+                        f"{ratio}{shift}",
                         flush=True,
                     )
 
@@ -301,6 +356,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="--gess: interleaved rounds")
     parser.add_argument("--temperatures", default="auto,1", help="--gess: comma-separated")
     parser.add_argument("--data", default="toy,diabetes", help="--gess: comma-separated")
+    parser.add_argument("--ranks", default="2,5,10", help="--gess: subspace ranks K")
+    parser.add_argument(
+        "--samplers",
+        default="ESS,GESS-sep,GESS-bat,GESS-auto",
+        help="--gess: slice-kernel rows besides NUTS (comma-separated)",
+    )
+    parser.add_argument(
+        "--auto-draws", type=int, help="--gess: draws per chain of GESS-auto (default --draws)"
+    )
     parser.add_argument("--load", action="store_true", help="--gess: a busy-loop process alongside")
     args = parser.parse_args()
     if args.memory_child is not None:
@@ -317,6 +381,7 @@ def main() -> None:
         if args.quick:
             args.draws, args.warmup = 100, 60
         args.draws = args.draws or 1000
+        args.auto_draws = args.auto_draws or args.draws
         print(f"# load average at start: {load_average()}")
         busy = None
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so `finally` ends the load
