@@ -50,7 +50,6 @@ import math
 from typing import Any, NamedTuple
 
 import numpy as np
-from scipy import optimize, special
 
 __all__ = ["StudentTFit", "fit_multivariate_t", "multivariate_t_log_density"]
 
@@ -262,6 +261,8 @@ def _mahalanobis(x: np.ndarray, loc: np.ndarray, tril: np.ndarray) -> np.ndarray
 
 
 def _log_density(delta: np.ndarray, tril: np.ndarray, nu: float, k: int) -> np.ndarray:
+    from scipy import special  # on first use: importing the package loads no scipy
+
     half_logdet = np.log(np.diag(tril)).sum()
     if math.isinf(nu):
         return -0.5 * delta - half_logdet - 0.5 * k * math.log(2 * math.pi)
@@ -284,6 +285,8 @@ def _df_score(nu: float, delta: np.ndarray, k: int, prior=None) -> float:
     """``(2/n) ∂(ℓ + log p(ν))/∂ν`` at fixed ``(μ, Σ)`` (Liu & Rubin 1995's ECME step), in a
     form that keeps its precision for large ``ν``: ``log w − w + 1 = log1p(a) − a`` with
     ``w = 1 + a``."""
+    from scipy import special  # on first use: importing the package loads no scipy
+
     n = delta.shape[0]
     a = (k - delta) / (nu + delta)
     digammas = (
@@ -304,6 +307,8 @@ def _df_root(
     """The root of `_df_score` in ``log ν`` (`scipy.optimize.brentq`), bracketed first around
     the previous iteration's ``ν`` (a factor 4 either way), else over ``bounds``; ``∞`` when
     the score is still positive at the upper bound, the lower bound when negative there."""
+    from scipy import optimize  # on first use: importing the package loads no scipy
+
     lo, hi = bounds
     if lo < guess < hi:  # a narrow bracket saves most of brentq's evaluations
         a, b = max(lo, guess / 4), min(hi, guess * 4)
