@@ -52,7 +52,7 @@ after it come from a fixed kernel that leaves ``π`` invariant.
 *The population scheme* (``reference="auto"``; Nishihara, Murray & Adams 2014, section 4 and
 their code ``robertnishihara/gess``): the ``C`` chains form two independent populations, each of
 two groups. Each group takes ``repeats`` steps with a multivariate t fitted (`student_t`: ECME of
-Liu & Rubin 1995, ``ν`` real-valued or ``∞``) to the *other* group's current states, then the
+Liu & Rubin 1995, a real ``ν`` under a Gamma prior) to the *other* group's current states, then the
 other group likewise, alternating, in warm-up and sampling alike: a group's kernel leaves ``π``
 invariant whatever the other group's states, so no adaptation ends and every draw counts. The
 populations never exchange states, so R-hat across them can see what two coupled groups hide
