@@ -131,7 +131,7 @@ def test_two_populations_of_two_groups_each_fitted_to_the_other():
     """The layout (population-major, group 0 the first half) and the fit: a group's reference
     is the t fitted to the other group of its own population, at their states after the sweep's
     first half."""
-    from pyro_subspace.infer.ess import DF_PRIOR, FIT_STATES
+    from pyro_subspace.infer.ess import DF_PRIOR, FIT_MAX_ITER, FIT_STATES, FIT_TOL
     from pyro_subspace.infer.student_t import fit_multivariate_t
 
     kern = kernel(chains=8, seed=5)
@@ -151,7 +151,7 @@ def test_two_populations_of_two_groups_each_fitted_to_the_other():
             states = before[other] if group == 0 else batch.x[other]
             fit = fit_multivariate_t(
                 states, fallback=fallback, min_states=FIT_STATES * 4, df_prior=DF_PRIOR,
-                tol=1e-7, max_iter=200,
+                tol=FIT_TOL, max_iter=FIT_MAX_ITER,
             )  # fmt: skip
             mine = [i for i, c in enumerate(rows) if batch.population[c] == p]
             ref = batch.refs[group]

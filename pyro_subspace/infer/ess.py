@@ -95,6 +95,9 @@ POPULATIONS = 2  # reference="auto": independent populations, so that R-hat can 
 REPEATS = 1  # reference="auto": steps of a group between refits
 FIT_STATES = 3  # reference="auto": a t fit counts at least 3 (K + 2) states, pseudo-states included
 DF_PRIOR = (2.0, 0.1)  # reference="auto": ν's Gamma prior (Juárez & Steel 2010; mode 10, mean 20)
+# reference="auto": ECME stops at a gain below 1e-5 nats per state (a reference needs no tighter
+# fit; 1.3 ms a fit of 7 states in 5-D against 5.2 ms at 1e-7, the same ν to 3 digits)
+FIT_TOL, FIT_MAX_ITER = 1e-5, 100
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: chain j's seed is hash of (seed, j)
 
 
@@ -1253,8 +1256,8 @@ class _Population(_Batch):
                 fallback=self.fallback,
                 min_states=FIT_STATES * (self.k + 2),
                 df_prior=DF_PRIOR,
-                tol=1e-7,
-                max_iter=200,
+                tol=FIT_TOL,
+                max_iter=FIT_MAX_ITER,
             )
             df = self.kernel.df if isinstance(self.kernel.df, int) else fit.df
             self.refs[group].refit(fit.loc, np.linalg.cholesky(fit.scale), rows=rows, df=df)
