@@ -144,13 +144,15 @@ def test_two_populations_of_two_groups_each_fitted_to_the_other():
     batch.advance()
     # the prior's covariance (its Cholesky factor carries a jitter of 1e-12 of the diagonal)
     np.testing.assert_allclose(batch.fallback, np.diag([PRIOR_SD**2] * 2), rtol=1e-11)
+    assert batch.fallback_loc is None  # model=None: no location to shrink towards
     fallback = batch.fallback
     for group, rows in enumerate(batch.groups):
         for p in (0, 1):
             other = [c for c in batch.groups[1 - group] if batch.population[c] == p]
             states = before[other] if group == 0 else batch.x[other]
             fit = fit_multivariate_t(
-                states, fallback=fallback, min_states=FIT_STATES * 4, df_prior=DF_PRIOR,
+                states, fallback=fallback, fallback_loc=batch.fallback_loc,
+                min_states=FIT_STATES * 4, df_prior=DF_PRIOR,
                 tol=FIT_TOL, max_iter=FIT_MAX_ITER,
             )  # fmt: skip
             mine = [i for i, c in enumerate(rows) if batch.population[c] == p]
@@ -223,8 +225,8 @@ def test_one_process_keeps_pyros_parallel_driver_in_this_process(monkeypatch):
 
 
 def test_a_subspace_net_starts_at_draws_of_its_laplace_fit():
-    """With a SubspaceNet the population starts at draws of the Laplace fit and shrinks its
-    scales towards the Laplace covariance."""
+    """With a SubspaceNet the population starts at draws of the Laplace fit and its fits count
+    pseudo-states with the Laplace mean and covariance."""
     from torch import nn
 
     from pyro_subspace import SubspaceNet, likelihoods
@@ -245,4 +247,5 @@ def test_a_subspace_net_starts_at_draws_of_its_laplace_fit():
     kern.setup(0, x, y)
     batch = kern._batch
     np.testing.assert_allclose(batch.fallback, guide.covariance.double().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(batch.fallback_loc, guide.loc.double().numpy(), rtol=1e-6)
     kern.cleanup()

@@ -194,3 +194,39 @@ def test_a_gamma_prior_on_df_gives_its_posterior_mode():
     assert math.isfinite(few.df) and 2 < few.df < 100
     with pytest.raises(ValueError, match=r"df_prior: expected None or \(shape >= 1, rate > 0\)"):
         fit_multivariate_t(x, df_prior=(2.0, 0.0))
+
+
+def test_pseudo_states_at_a_location_shrink_the_location_too():
+    """``fallback_loc``: the fit maximises the log-likelihood plus the Gaussian log-likelihood
+    of ``n₀`` pseudo-states with mean μ₀ and scatter Σ₀ (checked with L-BFGS on scipy's
+    densities), and with ν = ∞ fixed it is the closed form of pooled data."""
+    fallback, loc0 = np.diag([2.0, 1.0, 0.5]), np.array([3.0, 0.0, -1.0])
+    x = draws(4, math.inf, seed=11)  # 4 states, min_states 5 + 4 = 9: n₀ = 5
+    fit = fit_multivariate_t(x, df=math.inf, fallback=fallback, fallback_loc=loc0, min_states=9)
+    n0 = 5
+    mean = (x.sum(0) + n0 * loc0) / (4 + n0)
+    scatter = (x - mean).T @ (x - mean) + n0 * (fallback + np.outer(loc0 - mean, loc0 - mean))
+    np.testing.assert_allclose(fit.loc, mean, rtol=1e-10)
+    np.testing.assert_allclose(fit.scale, scatter / (4 + n0), rtol=1e-10)
+
+    x = draws(6, 5.0, seed=12)  # 6 states: n₀ = 3
+    fit = fit_multivariate_t(x, fallback=fallback, fallback_loc=loc0, min_states=9, tol=1e-13)
+    k, n0 = 3, 3
+
+    def objective(th):  # the t log-likelihood + n₀ log N(μ₀ | μ, Σ) − (n₀/2) tr(Σ⁻¹ Σ₀)
+        loc, scale, _ = unpack(th, k, df=5.0)
+        pseudo = n0 * stats.multivariate_normal(loc, scale).logpdf(loc0)
+        trace = np.trace(np.linalg.solve(scale, fallback))
+        return -(scipy_loglik(th, x, df=5.0) + pseudo - 0.5 * n0 * trace)
+
+    fixed = fit_multivariate_t(
+        x, df=5.0, fallback=fallback, fallback_loc=loc0, min_states=9, tol=1e-13
+    )
+    th0 = np.concatenate([x.mean(0), np.zeros(k * (k + 1) // 2)])
+    res = optimize.minimize(objective, th0, method="L-BFGS-B", options={"ftol": 1e-15})
+    loc, scale, _ = unpack(res.x, k, df=5.0)
+    np.testing.assert_allclose(fixed.loc, loc, atol=1e-5)  # measured: 5e-8
+    np.testing.assert_allclose(fixed.scale, scale, rtol=1e-4, atol=1e-5)  # measured: 2e-7
+    assert np.linalg.norm(fit.loc - loc0) < np.linalg.norm(x.mean(0) - loc0)  # pulled towards
+    with pytest.raises(ValueError, match="fallback_loc: needs fallback="):
+        fit_multivariate_t(x, fallback_loc=loc0)

@@ -41,7 +41,11 @@ covariance ``Σ₀`` (the Laplace or prior covariance): the CM-step becomes
 The ``ν`` step is unchanged (the penalty does not depend on ``ν``). No Cholesky error reaches the
 caller: a scale that is still not positive definite is refitted with ``n₀`` raised to
 ``min_states``, and without a fallback ``Σ₀`` is the identity times the states' mean variance
-(or 1).
+(or 1). With ``fallback_loc = μ₀`` the pseudo-states also have a location: the penalty is the
+Gaussian log-likelihood of ``n₀`` pseudo-states with mean ``μ₀`` and scatter ``Σ₀``,
+``−(n₀/2)(tr(Σ⁻¹(Σ₀ + (μ − μ₀)(μ − μ₀)ᵀ)) + log|Σ|)``, and the CM-steps become
+``μ = (Σ w_i x_i + n₀ μ₀) / (Σ w_i + n₀)`` and
+``Σ = (Σ w_i (x_i − μ)(x_i − μ)ᵀ + n₀ (Σ₀ + (μ − μ₀)(μ − μ₀)ᵀ)) / (n + n₀)``.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ def fit_multivariate_t(
     *,
     df: float | None = None,
     fallback: Any = None,
+    fallback_loc: Any = None,
     min_states: int | None = None,
     tol: float = 1e-9,
     max_iter: int = 1000,
@@ -106,6 +111,8 @@ def fit_multivariate_t(
             ``math.inf``): keep ``ν`` fixed and fit ``(μ, Σ)`` (EM for a known ``ν``).
         fallback: ``(K, K)`` positive definite covariance the scale is shrunk towards when the
             states are too few (``n < min_states``) or degenerate (see the module notes).
+        fallback_loc: ``(K,)``: the pseudo-states also sit at this location, so the location
+            is shrunk towards it too (needs ``fallback``; module notes).
         min_states: the states a fit needs without shrinkage; default ``K + 2``.
         tol: stop when an iteration gains less than ``tol`` nats per state.
         max_iter: iterations at most (``converged`` is False when they run out).
@@ -143,6 +150,14 @@ def fit_multivariate_t(
             )
         if _cholesky(fallback) is None:
             raise ValueError("fallback: the covariance is not positive definite")
+    if fallback_loc is not None:
+        fallback_loc = np.asarray(fallback_loc, dtype=np.float64)
+        if fallback is None:
+            raise ValueError("fallback_loc: needs fallback= (the pseudo-states' covariance)")
+        if fallback_loc.shape != (k,) or not np.isfinite(fallback_loc).all():
+            raise ValueError(
+                f"fallback_loc: expected a finite ({k},) location, got shape {fallback_loc.shape}"
+            )
     lo, hi = df_bounds
     if not 0 < lo < hi:
         raise ValueError(f"df_bounds: expected 0 < low < high, got {df_bounds!r}")
@@ -164,9 +179,10 @@ def fit_multivariate_t(
         raise ValueError(f"max_iter: expected a positive int, got {max_iter!r}")
 
     shrink = float(max(0, min_states - n))
-    fit = _ecme(x, df, fallback, shrink, tol, max_iter, df_bounds, df_prior)
+    args = (tol, max_iter, df_bounds, df_prior)
+    fit = _ecme(x, df, fallback, fallback_loc, shrink, *args)
     if fit is None:  # degenerate states: as many pseudo-states as a fit needs
-        fit = _ecme(x, df, fallback, float(min_states), tol, max_iter, df_bounds, df_prior)
+        fit = _ecme(x, df, fallback, fallback_loc, float(min_states), *args)
     return fit
 
 
@@ -184,19 +200,36 @@ def _states(x: Any) -> np.ndarray:
     return x
 
 
-def _ecme(x, df, fallback, shrink, tol, max_iter, df_bounds, df_prior) -> StudentTFit | None:
+def _ecme(
+    x, df, fallback, fallback_loc, shrink, tol, max_iter, df_bounds, df_prior
+) -> StudentTFit | None:
     """ECME from the states' mean and (shrunk) covariance, ``ν`` = 20 (or the fixed one);
     ``None`` when the scale is not positive definite (degenerate states, no shrinkage)."""
     n, k = x.shape
-    target = None
+    cov0 = None
     if shrink > 0:
         if fallback is not None:
-            target = fallback
+            cov0 = fallback
         else:  # no fallback: an isotropic one at the states' mean variance
             var = float(x.var(0).mean()) if n > 1 else 0.0
-            target = (var if var > 0 else 1.0) * np.eye(k)
-    loc = x.mean(0)
+            cov0 = (var if var > 0 else 1.0) * np.eye(k)
+    pull = fallback_loc is not None and shrink > 0  # pseudo-states at a location too
+
+    def locate(weights: np.ndarray) -> np.ndarray:
+        if pull:
+            return (weights @ x + shrink * fallback_loc) / (weights.sum() + shrink)
+        return weights @ x / weights.sum()
+
+    def target_at(loc: np.ndarray) -> np.ndarray | None:
+        """The pseudo-states' scatter about ``loc``: ``Σ₀ (+ (μ − μ₀)(μ − μ₀)ᵀ)``."""
+        if not pull:
+            return cov0
+        d = loc - fallback_loc
+        return cov0 + np.outer(d, d)
+
+    loc = locate(np.ones(n))
     centred = x - loc
+    target = target_at(loc)
     scale = _scale(centred, np.ones(n), target, shrink)
     nu = 20.0 if df is None else df
     tril = _cholesky(scale)
@@ -208,8 +241,9 @@ def _ecme(x, df, fallback, shrink, tol, max_iter, df_bounds, df_prior) -> Studen
     converged, it = False, 0
     for it in range(1, max_iter + 1):
         weights = np.ones(n) if math.isinf(nu) else (nu + k) / (nu + delta)  # E-step
-        loc = weights @ x / weights.sum()  # CM-steps
+        loc = locate(weights)  # CM-steps
         centred = x - loc
+        target = target_at(loc)
         scale = _scale(centred, weights, target, shrink)
         tril = _cholesky(scale)
         if tril is None:
