@@ -180,6 +180,7 @@ def test_the_auto_kernel_checks_itself_at_the_end_of_its_run():
     np.testing.assert_allclose(again.ess_bulk["t"], report.ess_bulk["t"])
 
 
+@pytest.mark.slow
 def test_a_mixed_auto_run_stays_silent():
     prior = dist.Normal(torch.zeros(2, dtype=f64), 1.0).to_event(1)
     kern = EllipticalSliceSampler(

@@ -106,6 +106,7 @@ def test_chains_started_at_exact_draws_stay_exact():
     assert_moments(mcmc.get_samples(group_by_chain=True)["t"])
 
 
+@pytest.mark.slow
 def test_chains_from_the_prior_reach_the_banana():
     kern = kernel(chains=16, seed=3)
     mcmc = MCMC(kern, num_samples=800, warmup_steps=200, num_chains=16, disable_progbar=True)
