@@ -52,3 +52,28 @@ class TestLastLayerSubspaceWithoutBias(BaseSubspaceTestCase):
 
     def create_subspace(self, net):
         return LastLayerSubspace(net)
+
+
+class TestKFACEigenSubspace(BaseSubspaceTestCase):
+    """`KroneckerSubspace` from `kfac_eigen`: columns ``v ⊗ u`` from several layers' blocks."""
+
+    def create_subspace(self, net):
+        x = torch.randn(12, 3, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        return subspaces.kfac_eigen(net, likelihoods.Categorical(), x, 6, eigenvalues="ekfac")
+
+
+class TestKroneckerSubspace(BaseSubspaceTestCase):
+    """A hand-built `KroneckerSubspace`: factors not orthonormal, one block at scattered
+    positions (gathered, not sliced), coordinates permuted."""
+
+    def create_subspace(self, net):
+        gen = torch.Generator().manual_seed(6)
+        blocks = [
+            (torch.arange(12), torch.randn(4, 2, generator=gen, dtype=torch.float64),
+             torch.randn(3, 2, generator=gen, dtype=torch.float64)),
+            (torch.tensor([20, 16, 25, 17]), torch.randn(2, 2, generator=gen, dtype=torch.float64),
+             torch.randn(2, 2, generator=gen, dtype=torch.float64)),
+        ]  # fmt: skip
+        return subspaces.KroneckerSubspace(
+            FlatNet(net).vector(), blocks, columns=torch.tensor([3, 0, 2, 1])
+        )
