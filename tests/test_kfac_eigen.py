@@ -176,6 +176,8 @@ class _Counting(nn.Module):
         ({"rank": True}, TypeError, "rank"),
         ({"rank": 2, "eigenvalues": "exact"}, ValueError, "eigenvalues"),
         ({"rank": 2, "conv": "bad"}, ValueError, "conv"),
+        ({"rank": 2, "fisher": "empirical"}, ValueError, "fisher"),
+        ({"rank": 2, "mc_samples": 2}, ValueError, "mc_samples"),
         ({"rank": 2, "chunk_size": 0}, ValueError, "chunk_size"),
         ({"rank": 2, "w": torch.zeros(7, dtype=torch.float64)}, ValueError, "w"),
     ],
@@ -289,3 +291,28 @@ def test_jacobian_blocks_in_groups_of_columns_equal_one_group(monkeypatch):
     assert len(grouped) == len(whole) == 5
     for (o1, j1), (o2, j2) in zip(grouped, whole):
         assert torch.allclose(o1, o2, rtol=1e-14) and torch.allclose(j1, j2, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"fisher": "mc", "mc_samples": 3}, {"bias": "augment"}, {"conv": "reduce"}],
+    ids=["type-2", "mc", "augment", "reduce"],
+)
+def test_eigenvalues_are_the_top_of_the_assembled_kfac_matrix(options):
+    """Selection across blocks: the eigenvalues equal the top of ``eigvalsh`` of the dense
+    block-diagonal K-FAC matrix (`KronFactors.to_dense`), and each column is its eigenvector."""
+    from pyro_subspace.curvature import kfac
+
+    net, shape = _cnn()
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    lik = likelihoods.Categorical()
+    k = 12
+    sub = subspaces.kfac_eigen(net, lik, x, k, **options)
+    factors = kfac(net, lik, x, **options)
+    dense = factors.to_dense()
+    assert torch.equal(factors.index, torch.arange(sub.dim))  # every weight is covered
+    top = torch.linalg.eigvalsh(dense).flip(0)[:k]
+    scale = float(top[0])
+    assert torch.allclose(sub.eigenvalues, top, rtol=0, atol=1e3 * EPS * scale)
+    p = sub.dense_basis()
+    assert torch.allclose(dense @ p, p * sub.eigenvalues, rtol=0, atol=1e3 * EPS * scale)

@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import validation as ck
 from ..curvature import ggn_in_subspace, kfac
-from ..curvature.kfac import BIASES, CONVS
+from ..curvature.kfac import BIASES, CONVS, FISHERS
 from ..flat import FlatNet, preserved
 from ..likelihoods import Likelihood, check_likelihood
 from ..threads import thread_policy
@@ -42,6 +42,8 @@ def kfac_eigen(
     eigenvalues: str = "kfac",
     conv: str = "expand",
     bias: str = "separate",
+    fisher: str = "type-2",
+    mc_samples: int = 1,
     chunk_size: int = 1024,
 ) -> KroneckerSubspace:
     """The ``rank`` leading eigenvectors of the K-FAC GGN at ``w`` as a `KroneckerSubspace`.
@@ -72,6 +74,12 @@ def kfac_eigen(
         conv: K-FAC's weight-sharing convention (``"expand"``, ``"reduce"``, ``"backpack"``;
             `curvature.kfac`).
         bias: ``"separate"`` (a bias block ``G`` of its own) or ``"augment"`` (``[W | b]``).
+        fisher: ``"type-2"`` (K-FAC of the GGN itself: ``C`` backward passes per chunk) or
+            ``"mc"`` (``mc_samples`` sampled targets per point: ``mc_samples`` backward passes,
+            the factors' expectation the GGN's; seeded by `curvature.kfac`'s ``MC_SEED``, so
+            repeatable and torch's global generators untouched). EK-FAC's re-estimates are
+            exact GGN moments either way.
+        mc_samples: draws per data point for ``fisher="mc"`` (must be 1 for ``"type-2"``).
         chunk_size: rows per pass.
 
     Returns:
@@ -89,6 +97,10 @@ def kfac_eigen(
     ck.choice(eigenvalues, "eigenvalues", EIGENVALUES)
     ck.choice(conv, "conv", CONVS)
     ck.choice(bias, "bias", BIASES)
+    ck.choice(fisher, "fisher", FISHERS)
+    ck.positive_int(mc_samples, "mc_samples")
+    if fisher == "type-2" and mc_samples != 1:
+        raise ValueError(f"mc_samples: only fisher='mc' draws samples, got {mc_samples}")
     ck.positive_int(chunk_size, "chunk_size")
     flat = FlatNet(net)
     d = flat.num_weights
@@ -103,8 +115,8 @@ def kfac_eigen(
         with torch.no_grad():  # in place (`FlatNet.load_vector` would alias ``w``'s storage)
             for p, part in zip(flat.params, w.split([p.numel() for p in flat.params])):
                 p.copy_(part.view_as(p))
-        factors = kfac(net, likelihood, x, conv=conv, bias=bias, chunk_size=chunk_size,
-                       dtype=torch.float64)  # fmt: skip
+        factors = kfac(net, likelihood, x, conv=conv, bias=bias, fisher=fisher,
+                       mc_samples=mc_samples, chunk_size=chunk_size, dtype=torch.float64)  # fmt: skip
     values, picks = [], []  # per block: its candidate eigenvalues and how to build each
     for b, block in enumerate(factors.blocks):
         if block.kind == "diagonal":
