@@ -92,12 +92,18 @@ def small_net(d_in: int) -> nn.Module:
     return nn.Sequential(nn.Linear(d_in, 50), nn.ReLU(), nn.Linear(50, 1))
 
 
-def trained(name: str, quick: bool):
+def snapshots_for(rank: int) -> int:
+    """The collector's size: 20 snapshots for K <= 10 (the rows of every earlier table), 40 for
+    larger K (PCA of 20 snapshots has at most 19 directions with variance)."""
+    return 20 if rank <= 10 else 40
+
+
+def trained(name: str, quick: bool, snapshots: int = 20):
     data = datasets.load(name, seed=0)
     torch.manual_seed(0)
     net = toy_net(data.n_features) if name == "toy" else small_net(data.n_features)
     lik = likelihoods.Gaussian()
-    col = subspaces.SWACollector(net, max_snapshots=20)
+    col = subspaces.SWACollector(net, max_snapshots=snapshots)
     epochs = 300 if quick else 2000
     fit_map(
         net,
@@ -302,11 +308,12 @@ def gess_tables(args) -> None:
         label = "N/K" if temp == "auto" else temperature
         for name in args.data.split(","):
             print(f"# load average: {load_average()}", flush=True)
-            if name not in cache:  # train once per data set
-                cache[name] = trained(name, args.quick)
-            data, net, lik, col = cache[name]
-            x, y = data.x_train, data.y_train
             for rank in [int(r) for r in args.ranks.split(",")]:
+                key = (name, snapshots_for(rank))
+                if key not in cache:  # train once per data set and collector size
+                    cache[key] = trained(name, args.quick, key[1])
+                data, net, lik, col = cache[key]
+                x, y = data.x_train, data.y_train
                 model = SubspaceNet(net, subspaces.pca(col, rank), lik, temperature=temp)
                 nuts = run_chains(NUTS(model), x, y, args.draws, args.warmup, args.nuts_chains)
                 rows = {}

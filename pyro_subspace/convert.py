@@ -104,7 +104,10 @@ def to_inference_data(
         ``az.loo`` on it is not the tempered LOO), posterior_predictive (draws of the
         observed sites at the same inputs), observed_data, and sample_stats (``lp``: the model's
         log joint as the sampler saw it, i.e. tempered and plate-scaled; ``diverging`` from MCMC
-        diagnostics).
+        diagnostics; after an `EllipticalSliceSampler` run also ``n_evals``, the likelihood
+        evaluations of the transition that produced each draw, and with ``reference="auto"``
+        ``reference_df``, the ``ν`` of the fitted t reference that transition used, ``inf``
+        for a Gaussian), each ``(chain, draw)``.
     """
     kwargs = dict(kwargs or {})
     if log_likelihood not in ("tempered", "untempered"):
@@ -195,7 +198,9 @@ def to_inference_data(
         "sample_stats": {"lp": _by_chain(torch.cat(pieces["lp"]), n_chains, n_draws)},
     }
     if mcmc is not None:
-        groups["sample_stats"]["diverging"] = _divergences(mcmc, n_chains, n_draws)
+        diag = mcmc.diagnostics()
+        groups["sample_stats"]["diverging"] = _divergences(diag, n_chains, n_draws)
+        groups["sample_stats"].update(_kernel_stats(diag, n_chains, n_draws))
     temps = ", ".join(
         f"T = {1 / v:.6g}" if len(scales) == 1 else f"{k}: T = {1 / v:.6g}"
         for k, v in scales.items()
@@ -481,13 +486,31 @@ def _by_chain(value: torch.Tensor, n_chains: int, n_draws: int) -> np.ndarray:
     return value.reshape(n_chains, n_draws, *value.shape[1:]).numpy()
 
 
-def _divergences(mcmc: MCMC, n_chains: int, n_draws: int) -> np.ndarray:
+def _divergences(diag: dict, n_chains: int, n_draws: int) -> np.ndarray:
     diverging = np.zeros((n_chains, n_draws), dtype=bool)
-    info = mcmc.diagnostics().get("divergences", {})
+    info = diag.get("divergences", {})
     for chain, idx in info.items():
         c = int(str(chain).split()[-1]) if not isinstance(chain, int) else chain
         diverging[c, list(idx)] = True
     return diverging
+
+
+#: the per-draw statistics an `EllipticalSliceSampler` reports in ``mcmc.diagnostics()``, and
+#: their names in ``sample_stats``
+KERNEL_STATS = {"draw evaluations": "n_evals", "draw reference df": "reference_df"}
+
+
+def _kernel_stats(diag: dict, n_chains: int, n_draws: int) -> dict[str, np.ndarray]:
+    """``{name: (chains, draws)}``: the per-draw statistics the kernel reported for every chain
+    in ``diag`` (``mcmc.diagnostics()``, `KERNEL_STATS`); a statistic some chain lacks, or with
+    another length, is left out."""
+    out = {}
+    for key, name in KERNEL_STATS.items():
+        per_chain = diag.get(key, {})
+        rows = [per_chain.get(f"chain {c}") for c in range(n_chains)]
+        if all(r is not None and np.shape(r) == (n_draws,) for r in rows):
+            out[name] = np.stack([np.asarray(r) for r in rows])
+    return out
 
 
 def _from_dict(groups: dict[str, dict[str, np.ndarray]]) -> Any:

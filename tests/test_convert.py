@@ -170,3 +170,63 @@ def test_at_t_one_no_loo_warning_and_no_note():
     assert not _loo_warnings(caught), [str(w.message) for w in caught]
     assert "loo" not in idata["log_likelihood"].attrs
     assert idata["log_likelihood"].attrs["temperature"] == 1.0
+
+
+def _toy_subspace_model(temperature=1.0):
+    torch.manual_seed(0)
+    x = torch.randn(40, 2)
+    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(40)
+    net = nn.Sequential(nn.Linear(2, 10), nn.Tanh(), nn.Linear(10, 1))
+    model = SubspaceNet(
+        net, subspaces.random(net, 3, seed=0), likelihoods.Gaussian(0.3), temperature=temperature
+    )
+    return model, net, x, y
+
+
+def test_slice_sampler_export_counts_every_likelihood_evaluation():
+    """``sample_stats.n_evals``: per draw, the likelihood evaluations of its transition: the
+    forward passes of the network between the driver's hook after the previous draw and the
+    one after this draw (a forward hook counts them independently)."""
+    from pyro_subspace import EllipticalSliceSampler
+
+    model, net, x, y = _toy_subspace_model()
+    calls, at_draw = [], []
+    handle = net.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        mcmc = MCMC(EllipticalSliceSampler(model), num_samples=30, warmup_steps=0,
+                    disable_progbar=True, hook_fn=lambda *_: at_draw.append(len(calls)))  # fmt: skip
+        mcmc.run(x, y)
+    finally:
+        handle.remove()
+    idata = convert.to_inference_data(mcmc, seed=0)
+    n_evals = idata.sample_stats["n_evals"].values
+    assert n_evals.shape == (1, 30) and (n_evals >= 1).all()
+    np.testing.assert_array_equal(n_evals[0, 1:], np.diff(at_draw))
+    assert "reference_df" not in idata.sample_stats
+
+
+@pytest.mark.filterwarnings("ignore::pyro_subspace.ConvergenceWarning")  # 20 draws: unmixed
+@pytest.mark.parametrize("df", [7.5, None])
+def test_auto_reference_export_has_each_draws_evaluations_and_nu(df):
+    """``reference="auto"``: ``n_evals`` per draw and chain averages to the kernel's
+    ``evaluations per draw`` (no warm-up), ``reference_df`` is the fixed ``ν`` when one is
+    given, else one of the ``ν`` fitted for the chain's group."""
+    from pyro_subspace import EllipticalSliceSampler
+    from pyro_subspace.infer.ess import one_process
+
+    model, _, x, y = _toy_subspace_model()
+    kernel = EllipticalSliceSampler(model, reference="auto", chains=8, seed=0, df=df)
+    mcmc = one_process(MCMC(kernel, num_samples=20, warmup_steps=0, num_chains=8,
+                            disable_progbar=True))  # fmt: skip
+    mcmc.run(x, y)
+    diag = mcmc.diagnostics()
+    idata = convert.to_inference_data(mcmc, seed=0)
+    n_evals = idata.sample_stats["n_evals"].values
+    nu = idata.sample_stats["reference_df"].values
+    assert n_evals.shape == nu.shape == (8, 20) and (n_evals >= 1).all()
+    for c in range(8):
+        assert n_evals[c].mean() == pytest.approx(diag["evaluations per draw"][f"chain {c}"])
+        if df is None:
+            assert set(nu[c]) <= set(diag["reference df"][f"chain {c}"])
+        else:
+            assert (nu[c] == df).all()

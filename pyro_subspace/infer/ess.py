@@ -643,6 +643,7 @@ class EllipticalSliceSampler(MCMCKernel):
         #: with ``reference="auto"``: the `diagnostics.ConvergenceReport` of the latest run
         self.convergence = None
         self._t = self._evals = 0  # the latest chain's transitions and likelihood evaluations
+        self._draw_evals: list[int] = []  # the likelihood evaluations of each transition
         self._chain = 0  # with rng="chains": the latest chain's row in its batch
         self._reset_run()
         super().__init__()
@@ -671,6 +672,7 @@ class EllipticalSliceSampler(MCMCKernel):
     def _reset_counters(self) -> None:
         self._t = 0
         self._evals = 0
+        self._draw_evals = []
         self.last_info = None
 
     def __getstate__(self) -> dict:
@@ -736,6 +738,7 @@ class EllipticalSliceSampler(MCMCKernel):
             lambda proposal, rows: [self.log_likelihood(proposal)],
             self.max_shrinks,
         )
+        self._draw_evals.append(int(self.last_info.shrinks[0]) + 1)
         self._loglik = float(state.log_likelihood[0])
         self._cache_position(state.position)
         return state.position
@@ -816,9 +819,15 @@ class EllipticalSliceSampler(MCMCKernel):
             "evaluations per draw": self.evaluations_per_draw,
         }
         if self.rng == "chains":
-            diag["passes per draw"] = self._batch.passes / max(self._batch.steps, 1)
-        if isinstance(self._batch, _Population):  # the ν of the chain's t at every refit
-            diag["reference df"] = self._batch.reference_df(self._chain)
+            b = self._batch
+            diag["passes per draw"] = b.passes / max(b.steps, 1)
+            kept = slice(b.warmup + 1, self._step + 1)  # the chain's draws after warm-up
+            diag["draw evaluations"] = np.array([e[self._chain] for e in b.step_evals[kept]])
+            if isinstance(b, _Population):  # the ν of the chain's t at every refit, per draw
+                diag["reference df"] = b.reference_df(self._chain)
+                diag["draw reference df"] = np.array([d[self._chain] for d in b.step_df[kept]])
+        else:
+            diag["draw evaluations"] = np.array(self._draw_evals[self._warmup_steps :])
         return diag
 
     def cleanup(self) -> None:
@@ -838,7 +847,7 @@ class EllipticalSliceSampler(MCMCKernel):
                     populations=b.population,
                     kernel=self,
                 )
-            b.states = b.states[:1]  # free the trajectory; the batch is finished
+            b.free()  # the batch is finished
         self._reset_run()
 
     @property
@@ -1076,6 +1085,9 @@ class _Batch:
         self.prior_mu = prior_mu.cpu().numpy()
         self.prior_inv = np.linalg.inv(_cholesky(prior_cov).cpu().numpy())  # L₀⁻¹
         self.evals = np.zeros(self.size, dtype=np.int64)
+        #: ``(C,)`` per step of the trajectory: each chain's likelihood evaluations in the
+        #: transition that reached it (step 0, the start: zeros)
+        self.step_evals = [np.zeros(self.size, dtype=np.int64)]
         self.reference = ChainReference(mu, cov, kernel.df, seeds)
         self.info: SliceInfo | None = None
         if start is None:  # a draw from the reference (the prior for "warmup"/"prior"),
@@ -1137,6 +1149,8 @@ class _Batch:
         if np.isnan(lp).any():
             raise ValueError("params: the log-density at the given position is NaN")
         self.evals[chain] += 1
+        self.step_evals[step] = self.step_evals[step].copy()
+        self.step_evals[step][chain] += 1
         self.passes += 1
         x, lps = self.x.copy(), self.lp.copy()
         x[chain], lps[chain] = row[0], lp[0]
@@ -1152,12 +1166,17 @@ class _Batch:
         )
         self.passes += int(info.shrinks.max()) + 1
         self.evals += info.shrinks + 1
+        self.step_evals.append(info.shrinks + 1)
         self.x, self.lp, self.info = state.position, state.log_likelihood, info
         self.states.append(torch.from_numpy(self.x).to(self.model_device, self.model_dtype))
         self.steps = step = len(self.states) - 1
         if self.schedule and step == self.schedule[0]:
             self.schedule.pop(0)
             self._refit(step)
+
+    def free(self) -> None:
+        """Drop the trajectory and its per-step statistics (the batch is finished)."""
+        self.states, self.step_evals = self.states[:1], self.step_evals[:1]
 
     def _refit(self, step: int) -> None:
         """``(μ, Σ)`` of every chain from the later half of all chains' warm-up draws so far,
@@ -1233,6 +1252,8 @@ class _Population(_Batch):
         #: ``(step, population, group, ν)`` of every fit: the reference each group used from
         #: ``step`` on
         self.fits: list[tuple[int, int, int, float]] = []
+        #: ``(C,)`` per step: the ``ν`` of the t reference each chain's transition used
+        self.step_df = [np.full(self.size, np.nan)]
         self.checked = False  # diagnostics.check ran at the end of the run
 
     @property
@@ -1248,6 +1269,10 @@ class _Population(_Batch):
         for rows, ref in zip(self.groups, self.refs):
             out[rows] = ref.tril
         return out
+
+    def free(self) -> None:
+        super().free()
+        self.step_df = self.step_df[:1]
 
     def reference_df(self, chain: int) -> np.ndarray:
         """The ``ν`` of chain ``chain``'s reference at each of its group's updates."""
@@ -1279,10 +1304,13 @@ class _Population(_Batch):
         repeats = self.kernel.repeats
         x, lp = self.x.copy(), self.lp.copy()
         new = np.repeat(x[None], repeats, 0)  # (repeats, C, K): the sweep's trajectory
+        evals = np.zeros((repeats, self.size), dtype=np.int64)
+        dfs = np.full((repeats, self.size), np.nan)
         angle, shrinks = np.zeros(self.size), np.zeros(self.size, dtype=np.int64)
         for group, rows in enumerate(self.groups):
             self.x = x
             self._fit(group)
+            dfs[:, rows] = [math.inf if _gaussian(v) else v for v in self.refs[group].df]
             state = SliceState(x[rows], lp[rows])
             for j in range(repeats):
                 state, info = elliptical_slice_step(
@@ -1290,12 +1318,15 @@ class _Population(_Batch):
                 )
                 self.passes += int(info.shrinks.max()) + 1
                 self.evals[rows] += info.shrinks + 1
+                evals[j, rows] = info.shrinks + 1
                 new[j, rows] = state.position
             x[rows], lp[rows] = state.position, state.log_likelihood
             angle[rows], shrinks[rows] = info.angle, info.shrinks
         self.x, self.lp, self.info = x, lp, SliceInfo(angle, shrinks)
         for j in range(repeats):
             self.states.append(torch.from_numpy(new[j]).to(self.model_device, self.model_dtype))
+            self.step_evals.append(evals[j])
+            self.step_df.append(dfs[j])
         self.steps = len(self.states) - 1
 
 
