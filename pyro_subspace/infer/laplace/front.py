@@ -112,6 +112,12 @@ def Laplace(
             ``"kron"`` for ``"last_layer"`` and ``"all"``, ``"full"`` for a subnetwork, flat
             indices or a `Subspace` (Subnetwork Inference's method; laplace-torch's
             ``SubnetLaplace`` has no K-FAC). ``la.hessian_structure`` says which.
+            ``"gp"`` (``"all"`` or ``"last_layer"`` only): the GP view on a subset of the data,
+            laplace-torch's ``FunctionalLaplace``/``FunctionalLLLaplace`` (Immer et al. 2021,
+            `posteriors.FunctionalPosterior`), with its keywords ``n_subset`` (``M``, default
+            all ``N`` points), ``independent_outputs`` (default ``False``) and ``seed`` (of the
+            subset, default 0: the same subset as laplace-torch's for the same seed); it
+            predicts with ``pred_type="gp"`` (or ``"glm"``, the same predictive).
         n_params: ``K``, how many weights ``"subnetwork"`` selects (required there; an error
             with any other ``subset_of_weights``).
         strategy: `subspaces.subnetwork`'s selection, only with ``"subnetwork"``:
@@ -162,6 +168,9 @@ def Laplace(
             "scripts get hessian_structure='kron' without damping here too; for Ritter et al.'s "
             "damped factors pass structure_options={'damping': 'ritter'}"
         )
+    structure_options = _gp_options(
+        hessian_structure, subset_of_weights, structure_options, strategy_kwargs
+    )
     structure_options = _backend_options(
         backend, backend_kwargs, asdl_fisher_kwargs, hessian_structure, structure_options
     )
@@ -246,6 +255,38 @@ def Laplace(
     if sigma_noise is not None:
         la.sigma_noise = sigma_noise  # a Gaussian likelihood object given with sigma_noise too
     return la
+
+
+#: laplace-torch's keywords of ``hessian_structure="gp"`` (``FunctionalLaplace``)
+GP_KEYWORDS = ("n_subset", "independent_outputs", "seed")
+
+
+def _gp_options(structure, subset, options, strategy_kwargs) -> dict | None:
+    """``structure_options`` with laplace-torch's ``n_subset``, ``independent_outputs`` and
+    ``seed`` of ``hessian_structure="gp"`` moved out of ``strategy_kwargs`` (in place); the
+    GP view for ``"all"`` and ``"last_layer"`` only, as laplace-torch's ``FunctionalLaplace``
+    and ``FunctionalLLLaplace``. Errors naming the argument, before any work."""
+    if structure != "gp":
+        for name in ("n_subset", "independent_outputs"):
+            if name in strategy_kwargs:
+                raise TypeError(
+                    f"{name}: only used with hessian_structure='gp' (laplace-torch's "
+                    f"FunctionalLaplace), got hessian_structure={structure!r}"
+                )
+        return options
+    if not (isinstance(subset, str) and subset in ("all", "last_layer")):
+        raise ValueError(
+            f"subset_of_weights: hessian_structure='gp' is the GP view of the Laplace over "
+            f"'all' weights or the 'last_layer' (laplace-torch's FunctionalLaplace and "
+            f"FunctionalLLLaplace), got {_describe(subset)}; for a subnetwork use 'full' or 'diag'"
+        )
+    options = {} if options is None else dict(options)
+    for name in GP_KEYWORDS:
+        if name in strategy_kwargs:
+            if name in options:
+                raise TypeError(f"{name}: given twice, as a keyword and in structure_options")
+            options[name] = strategy_kwargs.pop(name)
+    return options or None
 
 
 #: laplace-torch's GGN backends and their ``Conv2d`` convention for K-FAC
@@ -433,7 +474,7 @@ class NetLaplace(nn.Module):
                 "la: called inside a Pyro handler (Predictive, SVI): this object predicts; the "
                 "Pyro guide is la.guide, e.g. Predictive(la.model, guide=la.guide)"
             )
-        pred_type, link_approx = enum_value(pred_type), enum_value(link_approx)
+        pred_type, link_approx = self._pred_type(pred_type), enum_value(link_approx)
         _check_prediction_keywords(pred_type, False, n_samples, diagonal_output, generator, fitting)
         lik, dtype = self.model.likelihood, self.model.subspace.shift.dtype
         regression = self.reward_modeling or lik.noise_scale_tunable or isinstance(lik, Gaussian)
@@ -507,7 +548,7 @@ class NetLaplace(nn.Module):
         ``f`` (before any link), from the linearised predictive ``N(f(x), J Σ Jᵀ)`` per point
         (``"glm"``; ``diagonal_output``: independent outputs) or at weight draws ``ŵ + P t``
         (``"nn"``); for Thompson sampling or any expectation over ``f``."""
-        pred_type = enum_value(pred_type)
+        pred_type = self._pred_type(pred_type)
         _check_prediction_keywords(pred_type, False, n_samples, diagonal_output, generator, False)
         if pred_type == "nn":
             samples = self._nn_samples(x, n_samples, generator)
@@ -517,6 +558,21 @@ class NetLaplace(nn.Module):
                 f_var = torch.diag_embed(f_var.diagonal(dim1=-2, dim2=-1))
             samples = gaussian_draws(f_mu, f_var, n_samples, generator)
         return _to_net_dtype(samples, self.model.subspace.shift.dtype)
+
+    def _pred_type(self, pred_type: object) -> object:
+        """``pred_type`` by value; laplace-torch's ``"gp"`` (the only one of its
+        ``FunctionalLaplace``) is the linearised predictive of ``hessian_structure="gp"``,
+        ``"glm"`` here (the GP's predictive is the GLM's: `posteriors.FunctionalPosterior`)."""
+        pred_type = enum_value(pred_type)
+        if pred_type == "gp":
+            structure = self._modules["guide"].hessian_structure
+            if structure != "gp":
+                raise ValueError(
+                    f"pred_type: 'gp' is the predictive of hessian_structure='gp'; this Laplace "
+                    f"has {structure!r}: pass 'glm' (the linearised predictive) or 'nn'"
+                )
+            return "glm"
+        return pred_type
 
     def _glm_moments(self, x, joint: bool = False):
         """The linearised predictive's moments (`linearized_moments`, `joint_moments`), or
@@ -621,7 +677,7 @@ class NetLaplace(nn.Module):
         non-probit ``link_approx`` for the grid, a structured prior for the grid) is an error
         saying what to do.
         """
-        pred_type, method = enum_value(pred_type), enum_value(method)
+        pred_type, method = self._pred_type(pred_type), enum_value(method)
         link_approx, prior_structure = enum_value(link_approx), enum_value(prior_structure)
         if pred_type in ("marglik", "gridsearch", "grid"):  # the former order: method first
             warnings.warn(
@@ -837,7 +893,7 @@ class NetLaplace(nn.Module):
         """The linearised predictive as a ``torch.distributions`` object
         (`AutoSubspaceLaplace.predict`; regression: ``J Σ Jᵀ + σ²``); ``pred_type`` only
         ``"glm"``; ``n_samples``: laplace-torch's name of ``num_samples``."""
-        if pred_type != "glm":
+        if self._pred_type(pred_type) != "glm":
             raise ValueError(
                 f"pred_type: only 'glm' (the linearised predictive), got {pred_type!r}; for "
                 "laplace-torch's 'nn' call la(x, pred_type='nn') or la.predictive_samples"

@@ -462,12 +462,11 @@ class AutoSubspaceLaplace(AutoContinuous):
             sigma0 = self._scalar_sigma()
             sigma = torch.as_tensor(sigma, dtype=torch.float64, device=self.loc.device)
             c, loglik = (sigma0 / sigma) ** 2, self._gaussian_loglik(sigma)
-        prior = self.posterior.effective_prior(self.prior(lam))
+        elif self.likelihood.noise_scale_tunable:
+            sigma = torch.tensor(self._scalar_sigma(), dtype=torch.float64, device=self.loc.device)
         d = self.loc - self.prior_loc
-        return (
-            loglik / self.temperature
-            - prior.quad(d) / 2
-            + (prior.log_det() - self.posterior.log_det(prior, c)) / 2
+        return self.posterior.log_evidence(
+            loglik / self.temperature, self.prior(lam), d, c, sigma
         )
 
     def _scalar_sigma(self) -> float:

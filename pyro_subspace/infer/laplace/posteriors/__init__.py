@@ -8,7 +8,9 @@ combines a `Subspace` kind (which weights) with one `Posterior` (which covarianc
 - `LowRankPosterior` (``"lowrank"``): the top-``k`` GGN eigenpairs plus the prior as an
   isotropic remainder (laplace-torch's ``LowRankLaplace``);
 - `KronPosterior` (``"kron"``): K-FAC, one Kronecker-factored block per layer (laplace-torch's
-  ``KronLaplace``, Ritter et al. 2018), over a subspace of whole parameter tensors.
+  ``KronLaplace``, Ritter et al. 2018), over a subspace of whole parameter tensors;
+- `FunctionalPosterior` (``"gp"``): the GP (function-space) view on a subset of the data
+  (laplace-torch's ``FunctionalLaplace``, Immer et al. 2021).
 
 `make_posterior` builds one by its laplace-torch name.
 """
@@ -20,13 +22,14 @@ import torch
 from .base import Posterior, PriorPrecision
 from .diagonal import DiagonalPosterior
 from .full import FullPosterior
+from .functional import FunctionalPosterior
 from .kron import KronPosterior
 from .lowrank import LowRankFactorNormal, LowRankPosterior
 
 #: the posterior of each ``hessian_structure`` name
 POSTERIORS: dict[str, type[Posterior]] = {
     cls.name: cls
-    for cls in (FullPosterior, DiagonalPosterior, LowRankPosterior, KronPosterior)
+    for cls in (FullPosterior, DiagonalPosterior, LowRankPosterior, KronPosterior, FunctionalPosterior)
 }
 #: the structures that take a ``rank``
 RANKED = ("lowrank",)
@@ -35,7 +38,10 @@ RANKED = ("lowrank",)
 #: the same on every machine
 AUTO_BUDGET_BYTES = 256 * 2**20
 #: the options each structure takes (`structure_options` of the guide)
-OPTIONS = {"kron": ("fisher", "conv", "bias", "damping", "mc_samples", "seed")}
+OPTIONS = {
+    "kron": ("fisher", "conv", "bias", "damping", "mc_samples", "seed"),
+    "gp": ("n_subset", "independent_outputs", "seed"),
+}
 
 
 def resolve_structure(name: str, dim: int) -> tuple[str, str]:
@@ -104,6 +110,7 @@ __all__ = [
     "POSTERIORS",
     "DiagonalPosterior",
     "FullPosterior",
+    "FunctionalPosterior",
     "KronPosterior",
     "LowRankFactorNormal",
     "LowRankPosterior",

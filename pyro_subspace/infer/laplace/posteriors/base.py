@@ -168,6 +168,24 @@ class Posterior(nn.Module, ABC):
         in ``prior.lam`` and ``scale``; it must not refactorise ``C̃`` per call where the
         structure allows (the evidence is evaluated once per optimiser step)."""
 
+    def log_evidence(
+        self,
+        loglik: torch.Tensor | float,
+        prior: PriorPrecision,
+        offset: torch.Tensor,
+        scale: float | torch.Tensor = 1.0,
+        sigma: torch.Tensor | float | None = None,
+    ) -> torch.Tensor:
+        """The Laplace evidence (MacKay 1992; Immer et al. 2021 eq. 5)
+        ``ℓ/T − ½ dᵀΛ₀d + ½ log|Λ₀| − ½ log|s·C̃/T + Λ₀|`` (0-d float64), with ``loglik = ℓ/T``
+        the tempered log-likelihood at ``t*``, ``offset = d = t* − m₀`` ``(K,)``, ``Λ₀`` =
+        `effective_prior` of the model's ``prior`` and ``s`` the curvature's scale at the noise
+        ``sigma`` (a Gaussian likelihood's ``σ``, 0-d, or ``None``); differentiable in
+        ``prior.lam``, ``scale`` and ``sigma``. A function-space posterior
+        (`FunctionalPosterior`) computes its own."""
+        eff = self.effective_prior(prior)
+        return loglik - eff.quad(offset) / 2 + (eff.log_det() - self.log_det(eff, scale)) / 2
+
     # ------------------------------------------------------------------ draws
 
     @abstractmethod
