@@ -219,7 +219,7 @@ def test_a_tutorial_writes_its_pngs_to_out_and_restores_the_environment(monkeypa
     assert "PYRO_SUBSPACE_OUT" not in os.environ and os.environ["PYRO_SUBSPACE_TINY"] == "0"
 
 
-@pytest.mark.parametrize("subspace", ["subnetwork", "ggn"])
+@pytest.mark.parametrize("subspace", ["subnetwork", "ggn", "kfac"])
 def test_laplace_inference_in_a_subnetwork_or_ggn_subspace(tmp_path, subspace):
     argv = ["--dataset", "diabetes", "--subspace", subspace, "--rank", "4", "--temperature", "1"]
     results = cli.execute(TINY + argv + ["--inference", "laplace", "--out", str(tmp_path)])

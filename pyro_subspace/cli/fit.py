@@ -2,8 +2,9 @@
 
 Train a MAP network (full-batch Adam), run SWA (minibatch SGD at a constant rate) collecting the
 trajectory, build a subspace at the SWA mean (PCA of the trajectory, random, a diagonal-Laplace
-subnetwork or GGN eigenvectors), infer its coordinates ``t`` (elliptical slice sampling, Pyro's
-NUTS / HMC / SVI, or the linearised Laplace guide), and compare with the MAP: test NLL, RMSE and
+subnetwork, GGN eigenvectors by Lanczos or K-FAC's Kronecker eigenvectors), infer its
+coordinates ``t`` (elliptical slice sampling, Pyro's NUTS / HMC / SVI, or the linearised Laplace
+guide), and compare with the MAP: test NLL, RMSE and
 95% coverage, plus a PNG of the predictive (Izmailov et al., Subspace Inference, 2019).
 
 The noise scale ``σ`` is learned jointly with the MAP, then set to its maximum-likelihood value
@@ -40,7 +41,7 @@ from ..nn import SubspaceNet
 from ..train import fit_map
 from . import defaults, options, report
 
-SUBSPACES = ("pca", "random", "subnetwork", "ggn", "last_layer", "all")
+SUBSPACES = ("pca", "random", "subnetwork", "ggn", "kfac", "last_layer", "all")
 #: the subspaces made of whole parameter tensors (what --hessian kron needs)
 WHOLE_LAYERS = ("last_layer", "all")
 INFERENCE = ("ess", "gess", "nuts", "hmc", "vi", "laplace")
@@ -181,7 +182,7 @@ def check(args: argparse.Namespace, given: set[str]) -> None:
             "--laplace-prior": (args.inference == "laplace", "to --inference laplace"),
             "--max-iter": (args.inference == "laplace", "to --inference laplace"),
             "--hessian": (args.inference == "laplace", "to --inference laplace"),
-            "--rank": (args.subspace not in WHOLE_LAYERS, "to --subspace pca, random, subnetwork or ggn"),
+            "--rank": (args.subspace not in WHOLE_LAYERS, "to --subspace pca, random, subnetwork, ggn or kfac"),
             "--max-snapshots": (args.subspace == "pca", "to --subspace pca"),
         },
     )
@@ -220,7 +221,7 @@ def _subspace(
     args: argparse.Namespace, net: nn.Module, collector, lik, data: datasets.Dataset
 ) -> subspaces.Subspace:
     """The ``--subspace``: PCA of the SWA trajectory, or random / subnetwork (diagonal-Laplace
-    selection) / GGN-eigen / the last layer / all weights at the SWA mean."""
+    selection) / GGN-eigen / K-FAC eigen / the last layer / all weights at the SWA mean."""
     if args.subspace == "pca":
         return subspaces.pca(collector, args.rank, seed=args.seed)
     FlatNet(net).load_vector(collector.mean)
@@ -239,6 +240,8 @@ def _subspace(
             x=data.x_train,
             prior_precision=1 / args.prior_scale**2,
         )
+    if args.subspace == "kfac":
+        return subspaces.kfac_eigen(net, lik, data.x_train, args.rank)
     return subspaces.ggn_eigen(net, lik, data.x_train, args.rank, seed=args.seed)
 
 
