@@ -110,8 +110,10 @@ def test_nothing_is_accepted_and_then_ignored():
     lik = likelihoods.Categorical()
     with pytest.raises(ValueError, match="sigma_noise: only for a Gaussian"):  # classification
         Laplace(net, lik, "last_layer", sigma_noise=0.1, hessian_structure="full")
-    with pytest.raises(TypeError, match="subnetwork_indices: .*subset_of_weights"):
-        Laplace(net, lik, "subnetwork", subnetwork_indices=torch.arange(5), hessian_structure="full")
+    with pytest.raises(TypeError, match="subnetwork_indices: only with subset_of_weights='subnetwork'"):
+        Laplace(net, lik, "last_layer", subnetwork_indices=torch.arange(5), hessian_structure="full")
+    with pytest.raises(TypeError, match="subnetwork_indices: .*leave n_params and strategy out"):
+        Laplace(net, lik, "subnetwork", n_params=5, subnetwork_indices=torch.arange(5))
     with pytest.raises(TypeError, match="prior_precison"):  # a misspelling
         Laplace(net, lik, "last_layer", prior_precison=100.0, hessian_structure="full")
     with pytest.raises(TypeError, match="seed: unexpected keyword"):  # only with "subnetwork"

@@ -119,7 +119,9 @@ def Laplace(
             subset, default 0: the same subset as laplace-torch's for the same seed); it
             predicts with ``pred_type="gp"`` (or ``"glm"``, the same predictive).
         n_params: ``K``, how many weights ``"subnetwork"`` selects (required there; an error
-            with any other ``subset_of_weights``).
+            with any other ``subset_of_weights``). laplace-torch's ``subnetwork_indices=``
+            (flat indices, e.g. from its ``SubnetMask.select()``) with ``"subnetwork"`` gives
+            the subnetwork itself: the same as passing the indices as ``subset_of_weights``.
         strategy: `subspaces.subnetwork`'s selection, only with ``"subnetwork"``:
             ``"magnitude"`` (default: needs no data), ``"diag_laplace"`` (Subnetwork Inference eq. 23: the
             largest marginal variances ``1 / (diag(G) + λ)`` under a diagonal Laplace with
@@ -127,7 +129,7 @@ def Laplace(
             ``"random"``, ... (`subspaces.subnetwork`).
         strategy_kwargs: `subspaces.subnetwork`'s other keywords (`SELECTION_KEYWORDS`), only
             with ``"subnetwork"``; any other keyword is a ``TypeError`` (laplace-torch's
-            ``sigma_noise``, ``subnetwork_indices``, ``backend`` say what to do instead).
+            ``prior_mean``, ``temperature_scaling`` say what to do instead).
         chunk_size: rows per Jacobian block of the fit.
         rank: ``k`` of ``"lowrank"``, ``1 <= k <= K`` (default ``min(K, 10)``); an error with
             another structure.
@@ -177,6 +179,10 @@ def Laplace(
     check_structure(hessian_structure, rank, structure_options)
     ck.positive_int(chunk_size, "chunk_size")
     selected = isinstance(subset_of_weights, str) and subset_of_weights == "subnetwork"
+    if "subnetwork_indices" in strategy_kwargs:  # laplace-torch's SubnetLaplace: flat indices
+        subset_of_weights, selected = _subnetwork_indices(
+            subset_of_weights, strategy_kwargs.pop("subnetwork_indices"), n_params, strategy
+        )
     if rescale_prior is not None:
         ck.choice(rescale_prior, "rescale_prior", (True, False))
     for name, value in (("n_params", n_params), ("strategy", strategy)):
@@ -289,6 +295,29 @@ def _gp_options(structure, subset, options, strategy_kwargs) -> dict | None:
     return options or None
 
 
+def _subnetwork_indices(subset, indices, n_params, strategy) -> tuple[torch.Tensor, bool]:
+    """laplace-torch's ``Laplace(..., subset_of_weights="subnetwork",
+    subnetwork_indices=idx)``: the flat indices as the subset (``λ`` as given, as there),
+    ``(indices, selected=False)``; an error naming the argument where it does not fit."""
+    if not (isinstance(subset, str) and subset == "subnetwork"):
+        raise TypeError(
+            f"subnetwork_indices: only with subset_of_weights='subnetwork' (laplace-torch's "
+            f"SubnetLaplace), got subset_of_weights={_describe(subset)}; or pass the flat "
+            "indices as subset_of_weights"
+        )
+    if n_params is not None or strategy is not None:
+        raise TypeError(
+            "subnetwork_indices: gives the subnetwork itself; leave n_params and strategy out "
+            "(they select one)"
+        )
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(
+            f"subnetwork_indices: expected a 1-D integer tensor of flat indices (as "
+            f"laplace-torch's SubnetMask.select() returns), got {type(indices).__name__}"
+        )
+    return indices, False
+
+
 #: laplace-torch's GGN backends and their ``Conv2d`` convention for K-FAC
 GGN_BACKENDS = {"CurvlinopsGGN": "expand", "AsdlGGN": "expand", "BackPackGGN": "backpack"}
 
@@ -337,6 +366,9 @@ def _backend_options(backend, backend_kwargs, asdl_fisher_kwargs, structure, opt
             )
     return {**given, **(options or {})} or None
 
+
+#: an argument left at laplace-torch's default (`NetLaplace.optimize_prior_precision`)
+LT_DEFAULT = object()
 
 #: laplace-torch's likelihood names
 LIKELIHOOD_NAMES = ("classification", "regression", "reward_modeling")
@@ -585,8 +617,10 @@ class NetLaplace(nn.Module):
         """Outputs ``(S, N, O)`` of the network at ``S`` weight draws."""
         guide = self.guide
         self.model.check_data(x)
-        t = guide.draw_latent(n_samples, generator)
-        with torch.no_grad():  # one batched evaluation of the S weight draws
+        t = guide.draw_latent(n_samples, generator).detach()
+        # one batched evaluation of the S weight draws; with enable_backprop differentiable in
+        # the inputs (laplace-torch's nn functional samples are)
+        with torch.set_grad_enabled(self.__dict__.get("enable_backprop", False)):
             return self.model.outputs(t, x).double()
 
     # ------------------------------------------------------------------ fitting and tuning
@@ -639,9 +673,9 @@ class NetLaplace(nn.Module):
         self,
         pred_type: str = "glm",
         method: str = "marglik",
-        n_steps: int | None = None,
-        lr: float | None = None,
-        init_prior_prec: float | torch.Tensor | None = None,
+        n_steps: int | None = LT_DEFAULT,
+        lr: float | None = LT_DEFAULT,
+        init_prior_prec: float | torch.Tensor | None = LT_DEFAULT,
         prior_structure: str | None = None,
         val_loader: object = None,
         loss: object = None,
@@ -660,8 +694,11 @@ class NetLaplace(nn.Module):
         method (``"marglik"``, ``"gridsearch"``, ``"grid"``: this door's former order) is taken
         as ``method``, with a ``DeprecationWarning``, for one release.
 
-        - ``method="marglik"``: the Laplace evidence, by L-BFGS to convergence; with ``n_steps``
-          or ``lr``, laplace-torch's schedule (Adam on ``log λ``, defaults 100 and 0.1).
+        - ``method="marglik"``: the Laplace evidence by laplace-torch's schedule: ``λ`` set to
+          ``init_prior_prec`` (default 1, as there: the current ``λ`` is not the start), then
+          ``n_steps`` Adam steps of size ``lr`` on ``log λ`` (defaults 100 and 0.1), so a
+          ported script gets laplace-torch's ``λ``. ``n_steps=None``: L-BFGS to convergence
+          instead (from the current ``λ``, or ``init_prior_prec`` where given).
           ``prior_structure``: ``"scalar"`` (default), ``"layerwise"`` (one ``λ`` per parameter
           tensor of the subset) or ``"diag"`` (one per weight). ``pred_type``, ``link_approx``
           and ``n_samples`` are the grid's, unused here as in laplace-torch.
@@ -670,7 +707,8 @@ class NetLaplace(nn.Module):
           the best validation log-likelihood of ``val_loader`` (or ``x_val``, ``y_val``), i.e.
           laplace-torch's default NLL loss, with the linearised predictive (``pred_type="glm"``;
           the probit for classification). One ``λ`` (``prior_structure="scalar"``).
-        - ``init_prior_prec``: the starting ``λ`` (set before the search).
+        - ``init_prior_prec``: the starting ``λ`` (set before the search; unset, 1 for the
+          Adam schedule and the current ``λ`` otherwise).
         - ``verbose`` prints the ``λ`` found; ``progress_bar`` is accepted (no bar is shown).
 
         A keyword the method cannot honour (a custom ``loss``, ``pred_type="nn"`` or a
@@ -721,8 +759,12 @@ class NetLaplace(nn.Module):
                     f"prior_structure: the grid search tunes one λ; for {structure!r} use "
                     "method='marglik'"
                 )
-            if n_steps is not None or lr is not None:
+            if (n_steps is not LT_DEFAULT and n_steps is not None) or (
+                lr is not LT_DEFAULT and lr is not None
+            ):
                 raise TypeError("n_steps, lr: the evidence search's (method='marglik'); leave them out")
+            if init_prior_prec is LT_DEFAULT:  # unused by the grid, as in laplace-torch
+                init_prior_prec = None
             if val_loader is not None:
                 if "x_val" in ours:
                     raise TypeError("val_loader: give x_val (and y_val) or val_loader, not both")
@@ -745,8 +787,14 @@ class NetLaplace(nn.Module):
                 ours["groups"] = (
                     groups.sizes_index() if structure == "layerwise" else torch.arange(self.model.rank)
                 )
-            if n_steps is not None or lr is not None:
-                ours["adam"] = (100 if n_steps is None else n_steps, 0.1 if lr is None else lr)
+            if n_steps is not None:  # laplace-torch's schedule, from its init_prior_prec
+                n_steps = 100 if n_steps is LT_DEFAULT else n_steps
+                ours["adam"] = (n_steps, 0.1 if lr is LT_DEFAULT or lr is None else lr)
+                init_prior_prec = 1.0 if init_prior_prec is LT_DEFAULT else init_prior_prec
+            else:  # L-BFGS to convergence (ours); lr is Adam's
+                if lr is not LT_DEFAULT and lr is not None:
+                    raise TypeError("lr: Adam's step size; with n_steps=None (L-BFGS) leave it out")
+                init_prior_prec = None if init_prior_prec is LT_DEFAULT else init_prior_prec
         self._flush()
         guide = self._modules["guide"]
         # all or nothing: a tuning that fails (a bad grid, an interruption) leaves the prior
@@ -1133,7 +1181,6 @@ def _describe(subset: object) -> str:
 
 #: laplace-torch keywords with no counterpart here, and what to do instead
 _LT_KEYWORDS = {
-    "subnetwork_indices": "pass the flat indices as subset_of_weights",
     "prior_mean": "the prior is N(0, 1/prior_precision I) on the weights (what weight "
     "decay trains); for another prior build AutoSubspaceLaplace(SubspaceNet(...), prior_mean=)",
     "temperature_scaling": "pass temperature=T",
