@@ -8,10 +8,12 @@ from torch import nn
 from pyro_subspace import FlatNet, SubspaceNet, likelihoods
 from pyro_subspace.curvature import kfac
 from pyro_subspace.flat import eval_mode
+from pyro_subspace.subspaces import Subspace
 from pyro_subspace.infer.laplace import all_weights
 from pyro_subspace.infer.laplace.posteriors import (
     DiagonalPosterior,
     FullPosterior,
+    FunctionalPosterior,
     KronPosterior,
     LowRankPosterior,
 )
@@ -130,3 +132,52 @@ class TestKronPosterior(BasePosteriorTestCase):
         owner = torch.cat([torch.full((p.numel(),), i) for i, p in enumerate(net.parameters())])
         same = owner[:, None] == owner[None, :]
         torch.testing.assert_close(post.curvature(), ggn * same, rtol=1e-10, atol=1e-12)
+
+
+class TestFunctionalPosterior(BasePosteriorTestCase):
+    """``"gp"`` on all ``N`` points (``n_subset=None``: the effective prior is ``Λ₀``): an
+    ``nn.Linear(2, 2)`` with a bias (``K = 6``) on 9 points, Gaussian likelihood ``σ = 0.5`` at
+    ``T = 2``. Its ``C̃ = Σ_n J_nᵀ diag(h_n) J_n`` is the exact GGN here (a Gaussian's output
+    Hessian ``I/σ²`` is diagonal); `covariance`, `draw`, `log_det` are the push-through of the
+    ``(18, 18)`` kernel."""
+
+    def create_posterior(self, k):
+        return FunctionalPosterior(k)
+
+    def fit_posterior(self, post, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        net = nn.Linear(2, 2).double()
+        with torch.no_grad():
+            for p in net.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
+        x = torch.randn(9, 2, generator=gen, dtype=torch.float64)
+        y = torch.randn(9, 2, generator=gen, dtype=torch.float64)
+        model = SubspaceNet(net, all_weights(net), likelihoods.Gaussian(sigma=0.5), temperature=TEMPERATURE)
+        post.fit_curvature(model.evaluator(x, y), torch.zeros(K, dtype=torch.float64))
+        flat = FlatNet(net)
+        with eval_mode(net):
+            j = torch.autograd.functional.jacobian(lambda ww: flat(ww, x), flat.vector())
+        return torch.einsum("nok,nol->kl", j, j) / 0.25
+
+    def test_curvature_is_the_dense_ggn_of_the_subspace(self):
+        """``C̃ = Σ_n J_nᵀ diag(H_n) J_n``: the diagonal of each output Hessian (laplace-torch's
+        GP view, Immer et al. 2021 A.2.1), from autograd Jacobians, on the base test's
+        Categorical problem (whose ``H_n = diag(p) − ppᵀ`` is not diagonal)."""
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 3)).double()  # D = 27
+        flat = FlatNet(net)
+        sub = Subspace(flat.vector(), self.curvature_indices)
+        lik = likelihoods.Categorical()
+        model = SubspaceNet(net, sub, lik)
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(8, 2, generator=gen, dtype=torch.float64)
+        t = 0.2 * torch.randn(sub.rank, generator=gen, dtype=torch.float64)
+        y = torch.randint(3, (8,), generator=gen)
+        post = self.create_posterior(sub.rank)
+        assert post.fit_curvature(model.evaluator(x, y, chunk_size=3), t) is None
+        with eval_mode(net):
+            j = torch.autograd.functional.jacobian(lambda tt: flat(sub.weights(tt), x), t)
+            h = lik.output_hessian(flat(sub.weights(t), x)).diagonal(dim1=-2, dim2=-1)
+        c = torch.einsum("nok,no,noj->kj", j, h, j)
+        torch.testing.assert_close(post.curvature(), c, rtol=1e-10, atol=1e-10 * float(c.norm()))
+        assert float(post.temperature) == 1.0

@@ -199,13 +199,16 @@ def linear_index_jacobians(
     # One plain backward pass per class of the scalar ``Σ seed ⊙ f``, not one batched pass
     # (`is_grads_batched`) nor explicit grad_outputs: as fast for a few classes, and neither
     # functorch's one-time initialisation nor the SymPy import that torch's grad_outputs
-    # checks trigger (each about 35 MB of memory on first use).
-    per_class = [
-        torch.autograd.grad(
-            (out2 * seed).sum(), zs, retain_graph=c + 1 < len(seeds), allow_unused=True
-        )
-        for c, seed in enumerate(seeds)
-    ]
+    # checks trigger (each about 35 MB of memory on first use). Under the caller's
+    # ``torch.no_grad()`` too (laplace-torch's scripts predict inside one): the products
+    # ``out2 * seed`` must join the graph.
+    with torch.enable_grad():
+        per_class = [
+            torch.autograd.grad(
+                (out2 * seed).sum(), zs, retain_graph=c + 1 < len(seeds), allow_unused=True
+            )
+            for c, seed in enumerate(seeds)
+        ]
     jac = out2.new_empty(sum(i.numel() for _, i, _ in plan.values()), len(seeds), n)
     start = 0
     for layer, (name, (_, i, j)) in enumerate(plan.items()):
