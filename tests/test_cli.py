@@ -139,6 +139,8 @@ def test_random_subspace_with_vi_on_diabetes(tmp_path):
         (["--laplace-prior", "fixed"], "--laplace-prior only applies to --inference laplace"),
         (["--max-iter", "50"], "--max-iter only applies to --inference laplace"),
         (["--hessian", "diag"], "--hessian only applies to --inference laplace"),
+        (["--inference", "vi", "--chains", "4"], "--chains only applies to --inference ess"),
+        (["--inference", "gess", "--chains", "6"], "--chains 6: gess runs two populations"),
         (["--inference", "laplace", "--hessian", "kron"], "--hessian kron needs whole layers"),
         (["--subspace", "last_layer", "--rank", "3"], "--rank only applies to --subspace pca"),
         (["--inference", "laplace", "--max-iter", "0"], "argument --max-iter: expected an integer"),
@@ -235,17 +237,59 @@ def test_laplace_inference_in_a_subnetwork_or_ggn_subspace(tmp_path, subspace):
 
 
 def test_gess_inference_option_runs_the_generalised_kernel(tmp_path, monkeypatch):
-    """--inference gess runs the elliptical slice kernel with the Laplace reference (its
-    correctness against closed-form posteriors is tests/test_gess.py's)."""
+    """--inference gess runs the elliptical slice kernel with reference="auto" over 4(K + 2)
+    chains in this process (its correctness against known targets is tests/test_ess_auto.py's),
+    and reports convergence across its chains and populations."""
     from pyro_subspace.cli import fit
     from pyro_subspace.infer import EllipticalSliceSampler
 
     built, make = [], fit.MCMC_KERNELS["gess"]
-    monkeypatch.setitem(fit.MCMC_KERNELS, "gess", lambda m: built.append(make(m)) or built[-1])
+
+    def spy(model, chains, seed):
+        built.append(make(model, chains, seed))
+        return built[-1]
+
+    monkeypatch.setitem(fit.MCMC_KERNELS, "gess", spy)
     argv = TINY + MCMC + ["--inference", "gess", "--rank", "2", "--out", str(tmp_path)]
-    assert set(cli.execute(argv)["rows"]) == {"MAP (SWA)", "PCA+GESS"}
-    assert len(built) == 1 and isinstance(built[0], EllipticalSliceSampler)
-    assert built[0].evaluations_per_draw >= 1  # it sampled: at least one evaluation per draw
+    results = cli.execute(argv)
+    assert set(results["rows"]) == {"MAP (SWA)", "PCA+GESS"}
+    kernel = built[0]
+    assert len(built) == 1 and isinstance(kernel, EllipticalSliceSampler)
+    assert kernel.reference == "auto" and kernel.chains == 16  # 4 (K + 2), K = 2
+    assert kernel.evaluations_per_draw >= 1  # it sampled: at least one evaluation per draw
+    mixing = results["convergence"]["PCA+GESS"]
+    assert (mixing["chains"], mixing["draws"]) == (16, 12)
+    # the report is the kernel's own, whose R-hat spans its two populations
+    assert mixing["rhat"] == kernel.convergence.max_rhat
+
+
+def test_an_unmixed_run_is_flagged_beside_its_row_and_warned(tmp_path, capsys):
+    """12 draws per chain cannot give a bulk ESS of 100 per chain: the row says NOT CONVERGED,
+    a ConvergenceWarning line names the problem and the command's remedies."""
+    argv = TINY + MCMC + ["--rank", "2", "--out", str(tmp_path)]
+    results = cli.execute(argv)
+    mixing = results["convergence"]["PCA+ESS"]
+    assert not mixing["ok"] and (mixing["chains"], mixing["draws"]) == (2, 12)
+    assert mixing["ess_bulk"] < 200  # at most 24 draws in all
+    warned = [w for w in results["warnings"] if w.startswith("ConvergenceWarning: PCA+ESS")]
+    assert len(warned) == 1 and "bulk ESS" in warned[0] and "--inference gess" in warned[0]
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("PCA+ESS "))
+    assert row.endswith("NOT CONVERGED") and f"{mixing['rhat']:.3f}" in row
+    assert "warning: ConvergenceWarning: PCA+ESS" in out
+
+
+def test_a_mixed_run_has_no_warning(tmp_path, capsys):
+    """Plain ESS in a 2-D random subspace at T = N/K, 2 chains x 1500 draws: R-hat <= 1.01 and
+    ESS >= 100 per chain with a wide margin; no warning, no flag."""
+    argv = ["--dataset", "diabetes", "--subspace", "random", "--rank", "2", "--epochs", "30",
+            "--samples", "1500", "--warmup", "100", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
+    results = cli.execute(argv)
+    mixing = results["convergence"]["RANDOM+ESS"]
+    assert mixing["ok"] and mixing["rhat"] <= 1.01 and mixing["ess_bulk"] >= 200
+    assert not [w for w in results["warnings"] if "ConvergenceWarning" in w]
+    assert "NOT CONVERGED" not in capsys.readouterr().out
+
 
 
 # ------------------------------------------------------------------ the noise scale, the MAP row

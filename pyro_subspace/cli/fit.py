@@ -28,7 +28,7 @@ from pyro.infer.autoguide import AutoNormal
 from torch import nn
 from tqdm.auto import tqdm
 
-from .. import convert, datasets, likelihoods, metrics, subspaces
+from .. import convert, datasets, diagnostics, likelihoods, metrics, subspaces
 from ..exceptions import ConvergenceWarning
 from ..flat import FlatNet
 from ..infer import (
@@ -36,6 +36,7 @@ from ..infer import (
     EllipticalSliceSampler,
     linearized_predictive,
 )
+from ..infer.ess import one_process
 from ..infer.laplace import all_weights
 from ..nn import SubspaceNet
 from ..train import fit_map
@@ -46,12 +47,20 @@ SUBSPACES = ("pca", "random", "subnetwork", "ggn", "kfac", "last_layer", "all")
 WHOLE_LAYERS = ("last_layer", "all")
 INFERENCE = ("ess", "gess", "nuts", "hmc", "vi", "laplace")
 MCMC_KERNELS = {
-    "ess": EllipticalSliceSampler,
-    # the generalised kernel: slices over the subspace Laplace posterior (fast at T = 1)
-    "gess": lambda model: EllipticalSliceSampler(model, reference="laplace"),
-    "nuts": NUTS,
-    "hmc": lambda model: HMC(model, num_steps=10),
+    "ess": lambda model, chains, seed: EllipticalSliceSampler(model),
+    # the generalised kernel as Nishihara et al. run it: two populations of two groups of
+    # chains, each group's multivariate t fitted to the other group's states (any temperature)
+    "gess": lambda model, chains, seed: EllipticalSliceSampler(
+        model, reference="auto", chains=chains, seed=seed
+    ),
+    "nuts": lambda model, chains, seed: NUTS(model),
+    "hmc": lambda model, chains, seed: HMC(model, num_steps=10),
 }
+#: ``--chains`` when not given: 2 chains (R-hat compares them), ``gess`` ``4 (K + 2)``
+DEFAULT_CHAINS = 2
+#: the predictive rows, the plot and PSIS-LOO use at most this many draws, evenly thinned
+#: from all chains (``gess`` draws ``4 (K + 2) x --samples``)
+MAX_PREDICTIVE_DRAWS = 2000
 #: the training clusters of the 1-D synthetic problems: the band-width ratio compares the
 #: epistemic band at the training inputs with the band over the grid outside these intervals
 CLUSTERS = {"toy": datasets.TOY_INTERVALS, "in_between": datasets.IN_BETWEEN_CLUSTERS}
@@ -90,8 +99,22 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="prior std s of the coordinates t (the subnetwork selection's weight prior "
         "N(0, s^2) too)",
     )
-    g.add_argument("--samples", type=options.int_at_least(1), default=300, help="posterior draws")
+    g.add_argument(
+        "--samples",
+        type=options.int_at_least(1),
+        default=300,
+        help="posterior draws (MCMC: per chain; the predictive uses at most "
+        f"{MAX_PREDICTIVE_DRAWS}, evenly thinned)",
+    )
     g.add_argument("--warmup", type=options.int_at_least(0), default=200, help="MCMC warm-up")
+    g.add_argument(
+        "--chains",
+        type=options.int_at_least(1),
+        default=None,
+        help=f"MCMC chains, run in this process (default {DEFAULT_CHAINS}; gess: 4(K + 2), two "
+        "populations of two groups, a multiple of 4); R-hat and bulk/tail ESS are printed "
+        "beside the sampled row and flagged",
+    )
     g.add_argument("--vi-steps", type=options.int_at_least(1), default=1200, help="SVI steps")
     options.add_laplace_prior(g, "laplace", "1/prior-scale^2")
     options.add_hessian(g, "laplace", "full")
@@ -174,10 +197,16 @@ def check(args: argparse.Namespace, given: set[str]) -> None:
             f"--rank {args.rank}: a PCA subspace needs at least as many SWA snapshots; "
             f"--swa-epochs {args.swa_epochs} --max-snapshots {args.max_snapshots} keep {snapshots}"
         )
+    if args.inference == "gess" and args.chains is not None and args.chains % 4:
+        raise options.UsageError(
+            f"--chains {args.chains}: gess runs two populations of two groups of chains: "
+            "expected a multiple of 4 (default 4(K + 2))"
+        )
     options.reject_unused(
         given,
         {
             "--warmup": (args.inference in MCMC_KERNELS, "to --inference ess, gess, nuts or hmc"),
+            "--chains": (args.inference in MCMC_KERNELS, "to --inference ess, gess, nuts or hmc"),
             "--vi-steps": (args.inference == "vi", "to --inference vi"),
             "--laplace-prior": (args.inference == "laplace", "to --inference laplace"),
             "--max-iter": (args.inference == "laplace", "to --inference laplace"),
@@ -188,18 +217,34 @@ def check(args: argparse.Namespace, given: set[str]) -> None:
     )
 
 
-def posterior_draws(model: SubspaceNet, args: argparse.Namespace, x, y) -> torch.Tensor:
-    """Draws of ``t`` ``(S, K)`` by MCMC (``--inference ess|gess|nuts|hmc``) or SVI (``vi``)."""
+def chains_for(args: argparse.Namespace, rank: int) -> int:
+    """``--chains``, or its default: ``4 (K + 2)`` for ``gess``, else `DEFAULT_CHAINS`."""
+    if args.chains is not None:
+        return args.chains
+    return 4 * (rank + 2) if args.inference == "gess" else DEFAULT_CHAINS
+
+
+def posterior_draws(
+    model: SubspaceNet, args: argparse.Namespace, x, y
+) -> tuple[torch.Tensor, diagnostics.ConvergenceReport | None]:
+    """Draws of ``t`` ``(S, K)`` by MCMC (``--inference ess|gess|nuts|hmc``: every chain's,
+    with the run's `diagnostics.ConvergenceReport`) or SVI (``vi``: no report)."""
     if args.inference in MCMC_KERNELS:
-        kernel = MCMC_KERNELS[args.inference](model)
-        mcmc = MCMC(
-            kernel,
-            num_samples=args.samples,
-            warmup_steps=args.warmup,
-            disable_progbar=args.no_progress,
-        )
-        mcmc.run(x, y)
-        return mcmc.get_samples()["t"]
+        chains = chains_for(args, model.rank)
+        kernel = MCMC_KERNELS[args.inference](model, chains, args.seed)
+        with warnings.catch_warnings():  # the command reports convergence itself, once
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            warnings.filterwarnings("ignore", "num_chains=", UserWarning)  # "drawn sequentially"
+            mcmc = MCMC(
+                kernel,
+                num_samples=args.samples,
+                warmup_steps=args.warmup,
+                num_chains=chains,
+                disable_progbar=args.no_progress,
+            )
+            one_process(mcmc).run(x, y)  # no worker processes: a fork after torch's start hangs
+        report = getattr(kernel, "convergence", None) or diagnostics.check(mcmc, warn=False)
+        return mcmc.get_samples()["t"], report
     guide = AutoNormal(model)
     steps = args.vi_steps
     svi = SVI(
@@ -214,7 +259,28 @@ def posterior_draws(model: SubspaceNet, args: argparse.Namespace, x, y) -> torch
         if step % 50 == 0:
             bar.set_postfix(elbo_loss=f"{loss:.1f}")
     draws = Predictive(model, guide=guide, num_samples=args.samples, return_sites=["t"])(x, y)["t"]
-    return draws.reshape(-1, model.rank)
+    return draws.reshape(-1, model.rank), None
+
+
+def thinned(t: torch.Tensor, most: int = MAX_PREDICTIVE_DRAWS) -> torch.Tensor:
+    """At most ``most`` of the draws ``t`` ``(S, K)``, evenly spaced (all when ``S <= most``)."""
+    if t.shape[0] <= most:
+        return t
+    return t[torch.linspace(0, t.shape[0] - 1, most).round().long()]
+
+
+def convergence_row(report: diagnostics.ConvergenceReport) -> dict:
+    """What the table prints beside a sampled row: R-hat, the smallest bulk and tail ESS, the
+    chains and draws, divergences, and whether every check passed."""
+    return {
+        "rhat": report.max_rhat,
+        "ess_bulk": report.min_ess_bulk,
+        "ess_tail": report.min_ess_tail,
+        "chains": report.chains,
+        "draws": report.draws,
+        "divergences": report.divergences,
+        "ok": report.ok,
+    }
 
 
 def _subspace(
@@ -246,6 +312,10 @@ def _subspace(
 
 
 #: what the options of this command do about each cause a `ConvergenceWarning` names
+MIXING_FIXES = (
+    " [with pyro-subspace: a longer --warmup, more --samples per chain, more --chains, or "
+    "--inference gess (the generalised kernel's populations, any temperature)]"
+)
 LAPLACE_FIXES = (
     "with pyro-subspace: --dtype float64 (float32 rounding stops the search), a larger "
     "--max-iter (the L-BFGS budget), --activation softplus, tanh or silu (a ReLU network's "
@@ -405,12 +475,16 @@ def run(args: argparse.Namespace) -> dict:
     sub = _subspace(args, net, collector, lik, data)
     model = SubspaceNet(net, sub, lik, prior_scale=args.prior_scale, temperature=args.temperature)
     t1 = time.perf_counter()
-    glm, notes = None, []
+    glm, notes, mixing = None, [], None
     if args.inference == "laplace":
         t, glm = _laplace(model, args, data, notes)
     else:
-        t = posterior_draws(model, args, data.x_train, data.y_train)
+        t, mixing = posterior_draws(model, args, data.x_train, data.y_train)
+        t = thinned(t)
     t_infer = time.perf_counter() - t1
+    sampled = f"{args.subspace.upper()}+{args.inference.upper()}"
+    if mixing is not None and not mixing.ok:
+        notes.append(f"ConvergenceWarning: {sampled}: {'; '.join(mixing.problems)}{MIXING_FIXES}")
 
     sigma2 = torch.tensor(sigma**2, dtype=DTYPES[args.dtype])
     zero = torch.zeros(1, sub.rank, dtype=sub.shift.dtype)  # ŵ: the SWA mean
@@ -419,9 +493,7 @@ def run(args: argparse.Namespace) -> dict:
         post_out = model.outputs(t, data.x_test)[..., 0]
     rows = {
         "MAP (SWA)": metrics.regression_scores(map_out, sigma2.expand_as(map_out), data.y_test),
-        f"{args.subspace.upper()}+{args.inference.upper()}": metrics.regression_scores(
-            post_out, sigma2.expand_as(post_out), data.y_test
-        ),
+        sampled: metrics.regression_scores(post_out, sigma2.expand_as(post_out), data.y_test),
     }
     if glm is not None:
         rows["LAPLACE (GLM)"] = metrics.regression_scores(glm[0], glm[1], data.y_test)
@@ -459,6 +531,7 @@ def run(args: argparse.Namespace) -> dict:
         "inference_seconds": t_infer,
         "epochs": args.epochs,
         "rows": rows,
+        **({"convergence": {sampled: convergence_row(mixing)}} if mixing is not None else {}),
         **loo,
         "warnings": warnings_,
     }

@@ -37,11 +37,30 @@ def regression_table(results: dict) -> str:
         f"sigma={results['sigma']:.3f}  train {results['train_seconds']:.1f}s  "
         f"inference {results['inference_seconds']:.1f}s"
     )
-    lines = [header, f"{'method':<20}{'test NLL':>10}{'NLL (MM)':>10}{'RMSE':>8}{'cover95':>9}"]
+    mixing = results.get("convergence", {})
+    head = f"{'method':<20}{'test NLL':>10}{'NLL (MM)':>10}{'RMSE':>8}{'cover95':>9}"
+    if mixing:
+        head += f"{'R-hat':>8}{'bulk ESS':>10}{'tail ESS':>10}"
+    lines = [header, head]
     for name, r in results["rows"].items():
-        lines.append(
+        line = (
             f"{name:<20}{r['nll']:>10.3f}{r['nll_moment_matched']:>10.3f}"
             f"{r['rmse']:>8.3f}{r['coverage95']:>9.3f}"
+        )
+        if name in mixing:
+            c = mixing[name]
+            line += f"{c['rhat']:>8.3f}{c['ess_bulk']:>10.0f}{c['ess_tail']:>10.0f}"
+            line += "" if c["ok"] else "  NOT CONVERGED"
+        lines.append(line)
+    for name, c in mixing.items():
+        divergences = f", {c['divergences']} divergent" if c["divergences"] else ""
+        lines.append(
+            f"{name}: {c['chains']} chains x {c['draws']} draws{divergences}; "
+            + (
+                "R-hat <= 1.01 and bulk/tail ESS >= 100 per chain: converged"
+                if c["ok"]
+                else "has NOT converged (see the warning): do not trust its row yet"
+            )
         )
     if "band_width_ratio" in results:
         lines.append(
@@ -72,6 +91,13 @@ def regression_table(results: dict) -> str:
         "and variance (moment-matched, Subspace Inference G.1); RMSE: root mean squared error of\n"
         "the predictive mean; cover95: fraction of test points inside the central 95%\n"
         "predictive interval (nominal 0.95)."
+        + (
+            "\nR-hat: rank-normalised split R-hat, the largest over the coordinates t (gess: also\n"
+            "across its two independent populations); bulk/tail ESS: the smallest effective sample\n"
+            "sizes (Vehtari et al. 2021, ArviZ's estimators)."
+            if mixing
+            else ""
+        )
     )
     return "\n".join(lines)
 
