@@ -36,6 +36,12 @@ TANGENT_NUMBERS = 2**24
 _BUFFERS = ("index", "shapes", "left", "right", "columns", "eigenvalues")
 
 
+def _is_range(index: torch.Tensor) -> bool:
+    """Whether ``index`` is ``start, start + 1, ...`` (a layer's weight in the flat vector)."""
+    start = int(index[0])
+    return torch.equal(index, torch.arange(start, start + index.numel(), device=index.device))
+
+
 class KroneckerSubspace(Subspace):
     """``w = ŵ + P t`` with columns ``p_k = v_k ⊗ u_k`` stored as their factors.
 
@@ -51,9 +57,11 @@ class KroneckerSubspace(Subspace):
         eigenvalues: optional ``(K,)`` values carried along in coordinate order (`kfac_eigen`:
             the K-FAC or EK-FAC eigenvalues); default an empty buffer.
 
-    Buffers: ``shift`` ``(D,)``, ``index`` ``(Σ q·p,)``, ``shapes`` ``(B, 3)`` (``q, p, r`` per
-    block), ``left`` ``(Σ q·r,)``, ``right`` ``(Σ p·r,)`` (each block's factors flattened
-    row-major), ``columns`` ``(K,)``, ``eigenvalues`` ``(K,)`` or ``(0,)``. `save`/`load` and
+    Buffers: ``shift`` ``(D,)``, ``shapes`` ``(B, 4)`` (``q, p, r`` and the first position per
+    block, ``-1`` where its positions are not one contiguous range), ``index`` the positions of
+    those other blocks only (an augmented ``[W | b]`` or GPT-2 ``Conv1D`` block), ``left``
+    ``(Σ q·r,)``, ``right`` ``(Σ p·r,)`` (each block's factors flattened row-major), ``columns``
+    ``(K,)``, ``eigenvalues`` ``(K,)`` or ``(0,)``. `save`/`load` and
     ``load_state_dict`` take a subspace of any rank on the same ``D``.
 
     Example:
@@ -117,14 +125,19 @@ class KroneckerSubspace(Subspace):
             shapes.append((q, p, r))
             left.append(v.detach().to(shift).reshape(-1))
             right.append(u.detach().to(shift).reshape(-1))
-        index_t = torch.cat(index)
-        if index_t.min() < 0 or index_t.max() >= d:
+        every = torch.cat(index)
+        if every.min() < 0 or every.max() >= d:
             raise ValueError(
-                f"blocks: positions must lie in [0, {d}), got [{index_t.min()}, {index_t.max()}]"
+                f"blocks: positions must lie in [0, {d}), got [{every.min()}, {every.max()}]"
             )
-        if index_t.unique().numel() != index_t.numel():
+        if every.unique().numel() != every.numel():
             raise ValueError("blocks: positions must be distinct (within and across blocks)")
-        k = sum(r for _, _, r in shapes)
+        # a block at one contiguous range of positions (a layer's weight) keeps only its start
+        starts = [int(i[0]) if _is_range(i) else -1 for i in index]
+        explicit = [i for i, a in zip(index, starts) if a < 0]
+        index_t = torch.cat(explicit) if explicit else every.new_zeros(0)
+        shapes = [(q, p, r, a) for (q, p, r), a in zip(shapes, starts)]
+        k = sum(r for _, _, r, _ in shapes)
         if columns is None:
             columns = torch.arange(k)
         if (
@@ -148,15 +161,14 @@ class KroneckerSubspace(Subspace):
         self._plan()
 
     def _plan(self) -> None:
-        """Python offsets of each block's positions, factors and columns (from ``shapes``), and
-        the start of its positions where they are one contiguous range (sliced, not gathered)."""
+        """Python offsets of each block's explicit positions, factors and columns (from
+        ``shapes``), and the start of its positions where they are one contiguous range
+        (sliced, not gathered)."""
         plan, i0, l0, r0, c0 = [], 0, 0, 0, 0
-        for q, p, r in self.shapes.tolist():
-            idx = self.index[i0 : i0 + q * p]
-            start = int(idx[0])
-            run = torch.equal(idx, torch.arange(start, start + q * p, device=idx.device))
-            plan.append((i0, q, p, r, l0, r0, c0, start if run else None))
-            i0, l0, r0, c0 = i0 + q * p, l0 + q * r, r0 + p * r, c0 + r
+        for q, p, r, start in self.shapes.tolist():
+            plan.append((i0, q, p, r, l0, r0, c0, start if start >= 0 else None))
+            i0 += 0 if start >= 0 else q * p
+            l0, r0, c0 = l0 + q * r, r0 + p * r, c0 + r
         self._blocks = plan
         self._coordinate_of_stored = None
 
@@ -287,15 +299,17 @@ class KroneckerSubspace(Subspace):
     ) -> KroneckerSubspace:
         """A subspace from its buffers (as `save` writes them), checked as the constructor."""
         blocks, i0, l0, r0 = [], 0, 0, 0
-        for q, p, r in shapes.tolist():
+        if shapes.dim() != 2 or shapes.shape[1] != 4:
+            raise ValueError(f"shapes: expected (B, 4), got {tuple(shapes.shape)}")
+        for q, p, r, start in shapes.tolist():
+            if start >= 0:
+                positions = torch.arange(start, start + q * p, device=index.device)
+            else:
+                positions, i0 = index[i0 : i0 + q * p], i0 + q * p
             blocks.append(
-                (
-                    index[i0 : i0 + q * p],
-                    left[l0 : l0 + q * r].reshape(q, r),
-                    right[r0 : r0 + p * r].reshape(p, r),
-                )
+                (positions, left[l0 : l0 + q * r].reshape(q, r), right[r0 : r0 + p * r].reshape(p, r))
             )
-            i0, l0, r0 = i0 + q * p, l0 + q * r, r0 + p * r
+            l0, r0 = l0 + q * r, r0 + p * r
         if i0 != index.numel() or l0 != left.numel() or r0 != right.numel():
             raise ValueError("shapes: do not match the lengths of index, left and right")
         return cls(shift, blocks, columns=columns, eigenvalues=eigenvalues)
