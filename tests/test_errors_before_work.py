@@ -225,6 +225,7 @@ def _break(net, where):
 CURVATURE_PASSES = {
     "kfac": lambda net, lik, x, w: curvature.kfac(net, lik, x),
     "ggn_eigen": lambda net, lik, x, w: subspaces.ggn_eigen(net, lik, x, 2, w=w),
+    "kfac_eigen": lambda net, lik, x, w: subspaces.kfac_eigen(net, lik, x, 2, w=w),
     # every entry point of curvature.ggn shares the check (its `_setup`)
     "ggn_diagonal": lambda net, lik, x, w: curvature.ggn_diagonal(net, lik, x, w=w),
     "ggn_vector_product": lambda net, lik, x, w: curvature.ggn_vector_product(

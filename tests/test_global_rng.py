@@ -244,6 +244,12 @@ def _setup_ggn_eigen():
     return lambda: subspaces.ggn_eigen(net, likelihoods.Categorical(), x, 2, seed=1)
 
 
+def _setup_kfac_eigen():
+    x, _ = _data()
+    net = _net()
+    return lambda: subspaces.kfac_eigen(net, likelihoods.Categorical(), x, 2, fisher="mc")
+
+
 def _setup_fit_curve():
     x, y = _data()
     net = _net()
@@ -287,6 +293,7 @@ CASES = [
     ("linearized_predictive(mc, seed=3)", _setup_linearized_mc, True),
     ("MixtureOfLaplace.predict(sample, seed=2)", _setup_mola_sample, True),
     ("ggn_eigen(seed=1)", _setup_ggn_eigen, True),
+    ("kfac_eigen(fisher='mc')", _setup_kfac_eigen, True),
     ("PatchedNet.fit(seed=5): draws from the caller's stream", _setup_patched_fit, False),
     ("fit_curve(seed=3)", _setup_fit_curve, True),
     ("datasets.toy_regression", lambda: _setup_dataset("toy_regression"), True),
