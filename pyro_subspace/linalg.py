@@ -258,3 +258,125 @@ def solve_lower(chol: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     with blas_threads():  # Xᵀ = Aᵀ chol⁻ᵀ: Aᵀ and cholᵀ (upper) are the Fortran views
         out = trsm(1.0, chol.contiguous().numpy().T, a.contiguous().numpy().T, side=1, lower=0)
     return torch.from_numpy(out.T)  # C-ordered (r, K)
+
+
+# ---------------------------------------------------------------------- in-place factorisations
+# The full Laplace structure holds two (K, K) matrices (the GGN and one factor) at the paper's
+# K = 42,438: every helper below writes into memory its caller owns and forms no K x K
+# temporary (LAPACK on the Fortran view of a C-ordered array; the caller checks `lapack_for`).
+
+
+def lapack_for(a: torch.Tensor):
+    """SciPy's LAPACK when the in-place helpers below apply to ``a`` (an unbatched contiguous
+    float CPU matrix of at least 64 rows, not requiring grad), else ``None``."""
+    return _lapack(a) if a.is_contiguous() else None
+
+
+def reversed_copy_(out: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``out ← J a J`` (both indices reversed; ``J`` the index reversal) for square ``a`` and a
+    contiguous ``out`` of the same shape and dtype, with no temporary (the flat buffer read
+    backwards); returns ``out``."""
+    if a.is_contiguous() and a.dtype == out.dtype and a.device.type == "cpu":
+        import numpy as np
+
+        np.copyto(out.detach().numpy().reshape(-1), a.detach().numpy().reshape(-1)[::-1])
+        return out
+    return out.copy_(a.flip(-2, -1))
+
+
+def cholesky_reversed_(s: torch.Tensor) -> tuple[int, float]:
+    """In place on a contiguous CPU ``s`` holding ``J P J`` (symmetric): LAPACK ``potrf`` so
+    that ``s``'s Fortran view holds ``M`` lower with ``J P J = M Mᵀ`` (the C-ordered ``s`` holds
+    ``Mᵀ`` on its upper triangle; its strict lower triangle keeps ``J P J``). ``K³/3``
+    multiplications, no temporary (`lapack_for` must apply). Returns LAPACK's ``info`` (``0``:
+    positive definite) and the squared ratio of ``M``'s largest and smallest diagonal entries
+    (a lower bound on the condition number of ``P``)."""
+    lapack = _lapack(s)
+    potrf = lapack.spotrf if s.dtype == torch.float32 else lapack.dpotrf
+    arr = s.detach().numpy()
+    with blas_threads():
+        m, info = potrf(arr.T, lower=1, clean=0, overwrite_a=1)
+    if info != 0:
+        return int(info), float("inf")
+    if not __import__("numpy").shares_memory(m, arr):  # pragma: no cover - SciPy copied
+        arr[...] = m.T
+    diag = __import__("numpy").diagonal(arr).astype("float64")
+    return 0, float((diag.max() / diag.min()) ** 2)
+
+
+def scale_tril_from_reversed_cholesky_(s: torch.Tensor) -> torch.Tensor:
+    """After `cholesky_reversed_`: ``s ← L = J M⁻ᵀ J`` in place (LAPACK ``trtri``, ``K³/3``
+    multiplications, then the in-place index reversal), lower triangular with
+    ``L Lᵀ = J M⁻ᵀ M⁻¹ J = P⁻¹``: the Cholesky factor of the covariance; returns ``s``."""
+    lapack = _lapack(s)
+    trtri = lapack.strtri if s.dtype == torch.float32 else lapack.dtrtri
+    arr = s.detach().numpy()
+    with blas_threads():
+        inv, info = trtri(arr.T, lower=1, overwrite_c=1)  # M⁻¹ on the Fortran lower triangle
+    if info != 0:
+        raise torch.linalg.LinAlgError(f"posterior precision: singular factor (trtri info {info})")
+    if not __import__("numpy").shares_memory(inv, arr):  # pragma: no cover - SciPy copied
+        arr[...] = inv.T
+    return reverse_(s).tril_()  # C order held (M⁻¹)ᵀ = M⁻ᵀ: J M⁻ᵀ J is L
+
+
+def solve_reversed_cholesky(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """After `cholesky_reversed_` (``J P J = M Mᵀ``): ``Y = X J M⁻ᵀ`` ``(m, K)`` for ``X``
+    ``(m, K)``, so that ``X P⁻¹ Xᵀ = Y Yᵀ`` (BLAS ``trsm``, ``m·K²/2`` multiplications; only the
+    result beside ``X``)."""
+    from scipy.linalg import blas
+
+    trsm = blas.strsm if s.dtype == torch.float32 else blas.dtrsm
+    xr = x.to(s.dtype).flip(-1).contiguous()  # X J: rows of (m, K)
+    with blas_threads():  # Fortran: Yᵀ = M⁻¹ (X J)ᵀ, (X J)ᵀ the Fortran view of the C-ordered X J
+        out = trsm(1.0, s.detach().numpy().T, xr.numpy().T, side=0, lower=1, overwrite_b=1)
+    return torch.from_numpy(out.T)
+
+
+def tril_outer_(out: torch.Tensor, scale_tril: torch.Tensor) -> torch.Tensor:
+    """``out ← L Lᵀ`` ``(K, K)`` of a lower-triangular ``L`` into the contiguous ``out`` (LAPACK
+    ``lauum`` on the index-reversed copy: ``K³/3`` multiplications and no temporary on CPU; a
+    matrix product elsewhere), exactly symmetric; returns ``out``."""
+    lapack = lapack_for(out)
+    if lapack is None or scale_tril.dtype != out.dtype:
+        return out.copy_(symmetrize_(scale_tril @ scale_tril.mT))
+    lauum = lapack.slauum if out.dtype == torch.float32 else lapack.dlauum
+    reversed_copy_(out, scale_tril)  # C order J L J (upper): its Fortran view N = (J L J)ᵀ lower
+    arr = out.detach().numpy()
+    with blas_threads():  # Nᵀ N = J L Lᵀ J on the Fortran lower = C upper triangle
+        res, info = lauum(arr.T, lower=1, overwrite_c=1)
+    if info != 0 or not __import__("numpy").shares_memory(res, arr):  # pragma: no cover
+        return out.copy_(symmetrize_(scale_tril @ scale_tril.mT))
+    return reverse_(symmetrize_(out, upper=True))
+
+
+def eigvalsh_(a: torch.Tensor) -> torch.Tensor:
+    """Eigenvalues ``(K,)`` (ascending, in ``a``'s dtype) of the symmetric ``a``, which is
+    overwritten: LAPACK ``syevd`` without vectors on CPU (workspace ``O(K)``: the
+    tridiagonal reduction in ``a``'s own memory), ``torch.linalg.eigvalsh`` elsewhere (a copy)."""
+    lapack = lapack_for(a)
+    if lapack is not None:
+        syevd = lapack.ssyevd if a.dtype == torch.float32 else lapack.dsyevd
+        with blas_threads():
+            w, _, info = syevd(a.detach().numpy().T, compute_v=0, lower=0, overwrite_a=1)
+        if info == 0:
+            return torch.from_numpy(w)
+    return torch.linalg.eigvalsh(a)
+
+
+def eigh_evr_(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues ``(K,)`` (ascending) and eigenvectors ``(K, K)`` (columns) of the symmetric
+    ``a``, which is overwritten: ``scipy.linalg.eigh(driver="evr", overwrite_a=True)`` on CPU
+    (LAPACK ``syevr``: the vectors are the one new ``(K, K)`` matrix, its workspace is
+    ``O(K)``, where ``syevd``, which ``torch.linalg.eigh`` calls, needs about ``2K²`` more);
+    ``torch.linalg.eigh`` elsewhere."""
+    lapack = lapack_for(a)
+    if lapack is not None:
+        import scipy.linalg
+
+        with blas_threads():
+            w, v = scipy.linalg.eigh(
+                a.detach().numpy().T, driver="evr", overwrite_a=True, check_finite=False
+            )
+        return torch.from_numpy(w), torch.from_numpy(v)
+    return torch.linalg.eigh(a)

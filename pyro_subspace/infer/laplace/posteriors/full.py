@@ -4,7 +4,30 @@ eq. 15), the paper's full-covariance subnetwork Laplace.
 Buffers ``ggn`` (``PᵀGP``, untempered), ``precision_matrix``, ``covariance_matrix`` and
 ``scale_tril`` (``L`` lower-triangular, ``L Lᵀ = Σ``), each ``(K, K)`` in the posterior's dtype
 (the network's by default: float32 products and factorisation for a float32 network, float64
-sums; a precision that does not factorise in float32 is factorised in float64).
+sums; a precision that does not factorise in float32 is factorised in float64 where that fits,
+`set_prior`).
+
+**Two ``(K, K)`` matrices at large ``K``.** What a fit, the evidence, draws and the GLM
+predictive need is the GGN and one factor: `set_prior` writes the precision straight into the
+``scale_tril`` buffer (index-reversed) and factorises it there (LAPACK ``potrf`` + ``trtri``:
+``L = chol(Σ)`` with no ``Σ`` formed, `linalg.cholesky_reversed_`); draws are ``L ε``, ``J Σ Jᵀ``
+is ``(J L)(J L)ᵀ``, ``diag Σ`` the row sums of ``L²``, the evidence at that ``λ``
+``−2 Σ log L_ii``. ``precision_matrix`` and ``covariance_matrix`` are then left to first use
+(formed when read, e.g. by ``la.covariance``, and kept). The choice per use:
+
+- one ``λ`` (the fit, the predictive, draws, the evidence at the fitted ``λ``): the Cholesky
+  factor, with the GGN kept beside it for the next ``λ``: two matrices;
+- the evidence at many ``λ`` (``"marglik"``: a gradient in ``λ`` per step): the GGN's
+  eigenvalues, computed once in the factor's memory (LAPACK ``syevd`` without vectors,
+  workspace ``O(K)``), ``O(K)`` per ``λ``; the factor is formed again on its next use: two;
+- the grid's validation predictive (`functional_covariance_on_grid`): the GGN's eigenvectors
+  (``syevr``, which needs no ``K²`` workspace, on a copy in the factor's memory, the vectors
+  beside it: three matrices while the Jacobians are rotated, ``O(N·O·K)`` per ``λ`` after)
+  where three fit under `MAX_BYTES`; else one Cholesky factor per ``λ`` in the factor's
+  memory (two).
+
+`MAX_BYTES` bounds the two held matrices: float32 ``K ≤ 46,340`` (the paper's ``K = 42,438``
+takes 2 × 7.2 GB), float64 ``K ≤ 32,768``.
 
 **Buffers left to first use.** With fewer GGN rows ``r = N·C`` than weights ``K``, the
 covariance comes from the rows themselves by Woodbury's identity, ``Σ = D (I − BᵀB) D`` with
@@ -22,18 +45,28 @@ import numpy as np
 import torch
 
 from ....curvature.gram import RootRows, gram_from_blocks
+import warnings
+
 from ....linalg import (
     FLOAT32_MAX_CONDITION,
+    JITTERS,
     blas_module,
     blas_threads,
     cholesky,
+    cholesky_reversed_,
+    eigh_evr_,
+    eigvalsh_,
+    lapack_for,
     logdet,
-    posterior_factors_,
     precision_to_scale_tril,
+    reversed_copy_,
     row_gram,
+    scale_tril_from_reversed_cholesky_,
     solve_lower,
+    solve_reversed_cholesky,
     symmetrize_,
     tril_outer,
+    tril_outer_,
 )
 from .base import Posterior, PriorPrecision
 
@@ -41,10 +74,20 @@ from .base import Posterior, PriorPrecision
 DEFERRABLE = ("ggn", "precision_matrix", "covariance_matrix", "scale_tril")
 #: Every buffer of the posterior, ``(K, K)`` each.
 BUFFERS = ("ggn", "precision_matrix", "covariance_matrix", "scale_tril")
-#: the most bytes the four ``(K, K)`` buffers may take (16 GiB: ``K ≤ 32768`` in float32,
-#: ``23170`` in float64): above it the structure is refused at construction, naming the others
-#: (a rule of ``K`` and the dtype alone, the same on every machine)
+#: The ``(K, K)`` matrices a fit, the evidence, draws and the GLM predictive hold: the GGN and
+#: the factor (`precision_matrix` and `covariance_matrix` are formed only when read).
+HELD = ("ggn", "scale_tril")
+#: the most bytes the held ``(K, K)`` matrices may take (16 GiB: ``K ≤ 46,340`` in float32,
+#: ``32,768`` in float64): above it the structure is refused at construction, naming the sizes
+#: and the others; also the bound under which the grid takes the eigenbasis (three matrices)
+#: and a float32 precision is repaired in float64 (a rule of ``K`` and the dtype alone, the
+#: same on every machine)
 MAX_BYTES = 16 * 2**30
+#: From this ``K`` on, the evidence at the factor's own ``λ`` is read off the factor
+#: (``O(K)``) instead of an eigendecomposition or a dense log-determinant (``K³``, about 30
+#: factorisations for the eigenvalues): below it those cost under a second and keep a loaded
+#: posterior's evidence (whose factor's ``λ`` is not saved) equal to the saved one's bit for bit.
+FACTOR_LOG_DET_MIN_K = 2048
 
 
 class Deferred:
@@ -137,12 +180,15 @@ class FullPosterior(Posterior):
     scale_tril = Deferred()
 
     def __init__(self, dim: int, dtype: torch.dtype = torch.float64, device=None) -> None:
-        need = len(BUFFERS) * dim * dim * torch.empty((), dtype=dtype).element_size()
+        size = torch.empty((), dtype=dtype).element_size()
+        need = len(HELD) * dim * dim * size
         if need > MAX_BYTES:
             raise ValueError(
-                f"hessian_structure: 'full' over K = {dim:,} coordinates needs four ({dim:,}, "
-                f"{dim:,}) matrices, {need / 2**30:,.0f} GiB (more than {MAX_BYTES // 2**30} GiB); "
-                "use hessian_structure='kron' (K-FAC, for whole layers), 'lowrank' or 'diag'"
+                f"hessian_structure: 'full' over K = {dim:,} coordinates in {dtype} holds two "
+                f"({dim:,}, {dim:,}) matrices (the GGN and the Cholesky factor), "
+                f"{need / 2**30:,.1f} GiB (more than {MAX_BYTES // 2**30} GiB); "
+                + ("use dtype=torch.float32 (half of it), " if size > 4 else "use ")
+                + "hessian_structure='kron' (K-FAC, for whole layers), 'lowrank' or 'diag'"
             )
         super().__init__(dim, dtype, device)
         for name in BUFFERS:  # zeros without memory until fit (`_materialized`)
@@ -174,6 +220,8 @@ class FullPosterior(Posterior):
         self.__dict__["_pending_prior"] = None
         self.__dict__["_woodbury"] = None  # `Woodbury`: Σ = D (I − BᵀB) D left unformed
         self.__dict__["_eig_cache"] = None
+        self.__dict__["_route"] = None  # "dense" (L from the precision) or "woodbury"
+        self.__dict__["_factor_of"] = None  # (prior, GGN key) of the formed dense factor
         if rows is not None:
             self.__dict__["_pending"].add("ggn")
 
@@ -208,10 +256,15 @@ class FullPosterior(Posterior):
         elif name == "precision_matrix":
             self._precision_(self.__dict__["_pending_prior"], out)
         elif name == "covariance_matrix":
-            self.__dict__["_woodbury"].covariance_(out)
-            self.__dict__["_woodbury"] = None
-        else:
+            if self.__dict__["_woodbury"] is not None:
+                self.__dict__["_woodbury"].covariance_(out)
+                self.__dict__["_woodbury"] = None
+            else:  # Σ = L Lᵀ from the factor (LAPACK lauum into ``out``)
+                tril_outer_(out, self.scale_tril)
+        elif self.__dict__["_route"] == "woodbury":
             self._factor_from_covariance_(out)
+        else:
+            self._factor_(self.__dict__["_pending_prior"], out)
         self.__dict__["_pending"].discard(name)  # only once written (an error leaves it pending)
 
     def _apply(self, fn, recurse=True):
@@ -256,32 +309,122 @@ class FullPosterior(Posterior):
         return prior
 
     def set_prior(self, prior: PriorPrecision) -> None:
-        """Write ``Σ⁻¹``, ``L`` and ``Σ`` in the buffers' dtype, without ``(K, K)`` temporaries
-        on CPU (`linalg.posterior_factors_`); from the kept GGN rows by Woodbury's identity
-        when there are any (``Σ⁻¹``, ``Σ`` and ``L`` then on first use: the moments and the
-        marginal variances read its factors, not ``Σ``; `_woodbury_`). A precision that does not
-        factorise so (not positive definite or evidently ill-conditioned in float32, or off
-        CPU) is formed again in float64 and factorised there, with jitter if needed
-        (`linalg.precision_to_scale_tril`)."""
+        """Form ``L = chol(Σ)`` for ``Σ⁻¹ = PᵀGP/T + Λ₀`` in the ``scale_tril`` buffer, the one
+        ``(K, K)`` matrix beside the GGN (`_factor_`: the precision written into it
+        index-reversed, LAPACK ``potrf`` + ``trtri`` in place, ``2K³/3`` multiplications);
+        ``precision_matrix`` and ``covariance_matrix`` are left to first use (and stale ones
+        released). From the kept GGN rows by Woodbury's identity when there are any (``Σ⁻¹``,
+        ``Σ`` and ``L`` then on first use: the moments and the marginal variances read its
+        factors; `_woodbury_`)."""
         prior = _detached(prior)
-        self.__dict__["_pending"] -= {"precision_matrix", "covariance_matrix", "scale_tril"}
+        pending = self.__dict__["_pending"]
+        pending -= {"precision_matrix", "covariance_matrix", "scale_tril"}
         self.__dict__["_woodbury"] = None
+        self.__dict__["_factor_of"] = None
+        self.__dict__["_pending_prior"] = prior
         root = self._root()  # fewer GGN rows than K: Woodbury; Σ⁻¹, Σ and L on first use
         if root is not None and self._woodbury_(root, prior):
-            self.__dict__["_pending"].update({"precision_matrix", "covariance_matrix", "scale_tril"})
-            self.__dict__["_pending_prior"] = prior
+            self.__dict__["_route"] = "woodbury"
+            pending.update({"precision_matrix", "covariance_matrix", "scale_tril"})
             return
-        names = ("precision_matrix", "scale_tril", "covariance_matrix")
-        precision, scale_tril, covariance = (self._materialized(n) for n in names)
-        if posterior_factors_(self._precision_(prior, precision), scale_tril, covariance):
-            return
-        p64 = precision  # float32: formed again in float64, so a small λ is not rounded away
-        if precision.dtype != torch.float64:
-            p64 = self._precision_(prior, torch.empty_like(precision, dtype=torch.float64))
-            precision.copy_(p64)
-        factor = precision_to_scale_tril(p64)
-        scale_tril.copy_(factor)
-        covariance.copy_(tril_outer(factor))
+        self.__dict__["_route"] = "dense"
+        for name in ("precision_matrix", "covariance_matrix"):  # stale: released
+            self._release(name)
+        self._factor_(prior, self._materialized("scale_tril"))
+        pending.update({"precision_matrix", "covariance_matrix"})
+
+    def _release(self, name: str) -> None:
+        """Give the memory of the buffer ``name`` back (zeros without memory, `_materialized`
+        allocates again)."""
+        buf = self._buffers[name]
+        if buf.is_contiguous():
+            self._buffers[name] = buf.new_zeros(()).expand(self.dim, self.dim)
+
+    def _ggn_key(self) -> tuple:
+        ggn = self._buffers["ggn"]
+        return (ggn.data_ptr(), ggn._version, float(self.temperature))
+
+    def _reversed_precision_(self, prior: PriorPrecision, s: torch.Tensor, jitter: float = 0.0):
+        """``s ← J (PᵀGP/T + Λ₀ + jitter·I) J`` (``J`` the index reversal), no temporary for a
+        diagonal ``Λ₀``."""
+        reversed_copy_(s, self.ggn.to(s.dtype) if self.ggn.dtype != s.dtype else self.ggn)
+        s.div_(float(self.temperature))
+        if prior.is_diagonal:
+            s.diagonal().add_(prior.diagonal().to(s.dtype).flip(0) + jitter)
+        else:
+            s.add_((prior.lam * prior.gram).flip(-2, -1).to(s.dtype))
+            symmetrize_(s)
+            if jitter:
+                s.diagonal().add_(jitter)
+
+    def _cholesky_reversed_(self, prior: PriorPrecision, s: torch.Tensor) -> float:
+        """``s`` ← ``M`` (`linalg.cholesky_reversed_`: ``J Σ⁻¹ J = M Mᵀ``) in place, in ``s``'s
+        dtype; a precision that is not positive definite gets `linalg.JITTERS` ``× mean
+        diag`` added, with a ``RuntimeWarning``, or raises ``LinAlgError``. Returns the
+        condition bound (`linalg.cholesky_reversed_`)."""
+        mean_diag = None
+        for jitter in JITTERS:
+            shift = 0.0
+            if jitter:
+                if mean_diag is None:
+                    mean_diag = float(self.ggn.diagonal().double().mean()) / float(
+                        self.temperature
+                    ) + float(prior.diagonal().double().mean())
+                shift = jitter * abs(mean_diag)
+            self._reversed_precision_(prior, s, shift)
+            info, condition = cholesky_reversed_(s)
+            if info == 0:
+                if jitter:
+                    warnings.warn(
+                        f"posterior precision: not positive definite in {s.dtype}; added "
+                        f"{jitter:g} x mean diagonal",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
+                return condition
+        raise torch.linalg.LinAlgError(
+            f"posterior precision: not positive definite in {s.dtype} even with jitter 1e-6"
+        )
+
+    def _float64_fits(self) -> bool:
+        """A float64 repair (its precision, factor and solve: three float64 ``(K, K)``) fits
+        under `MAX_BYTES` beside the held matrices."""
+        size = torch.empty((), dtype=self.buffer_dtype).element_size()
+        return (len(HELD) * size + 3 * 8) * self.dim**2 <= MAX_BYTES
+
+    def _factor_(self, prior: PriorPrecision, out: torch.Tensor) -> None:
+        """``out ← L = chol(Σ)`` (lower) for ``Σ⁻¹ = PᵀGP/T + Λ₀``, in ``out``'s memory and
+        dtype, with no ``(K, K)`` temporary on CPU (`linalg.cholesky_reversed_`,
+        `linalg.scale_tril_from_reversed_cholesky_`). A float32 precision that is not positive
+        definite or whose condition evidently exceeds `FLOAT32_MAX_CONDITION` is formed again in
+        float64 and factorised there (`linalg.precision_to_scale_tril`, with jitter if needed)
+        when that fits (`_float64_fits`); else it keeps the float32 factor (with jitter if
+        needed) and warns with the condition bound."""
+        if lapack_for(out) is None:  # off CPU: torch's factorisations, with temporaries
+            p = self._precision_(prior, torch.empty_like(out, dtype=torch.float64))
+            out.copy_(precision_to_scale_tril(p))
+        else:
+            single = out.dtype == torch.float32
+            self._reversed_precision_(prior, out)
+            info, condition = cholesky_reversed_(out)
+            bad = info != 0 or (single and condition > FLOAT32_MAX_CONDITION)
+            if bad and single and self._float64_fits():
+                p64 = self._precision_(prior, torch.empty_like(out, dtype=torch.float64))
+                out.copy_(precision_to_scale_tril(p64))
+            else:
+                if info != 0:
+                    condition = self._cholesky_reversed_(prior, out)
+                if bad and single:
+                    warnings.warn(
+                        f"posterior precision: condition number above {condition:.3g} in "
+                        f"float32 at K = {self.dim:,}, where a float64 factor does not fit "
+                        f"under {MAX_BYTES // 2**30} GiB; the covariance may lose about "
+                        f"{condition * 6e-8:.1g} relative",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                scale_tril_from_reversed_cholesky_(out)
+        self.__dict__["_factor_of"] = (prior, self._ggn_key())
 
     def _precision_(self, prior: PriorPrecision, p: torch.Tensor) -> torch.Tensor:
         """``p ← PᵀGP/T + Λ₀`` in ``p``'s dtype; returns ``p``."""
@@ -333,7 +476,7 @@ class FullPosterior(Posterior):
             return True
         return False
 
-    def _factor_from_covariance_(self, scale_tril: torch.Tensor) -> None:
+    def _factor_from_covariance_(self, scale_tril: torch.Tensor) -> None:  # Woodbury's route
         """``scale_tril ← chol(Σ)`` in the buffers' dtype; in float64 (with `cholesky`'s stated
         jitter if needed) when that dtype's factorisation fails."""
         covariance = self.covariance_matrix
@@ -345,20 +488,45 @@ class FullPosterior(Posterior):
     # ------------------------------------------------------------------ the evidence
 
     def log_det(self, prior: PriorPrecision, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-        """``log|s·PᵀGP/T + Λ₀|``. For ``Λ₀ = λI``, ``Σ_i log(s g_i/T + λ)`` from one
-        eigendecomposition of the fitted ``PᵀGP`` (cached), so each evaluation and its gradient
-        cost ``O(K)``, not ``O(K³)``; else a dense log-determinant."""
+        """``log|s·PᵀGP/T + Λ₀|``. At the ``λ`` of the formed factor (``s = 1``, nothing to
+        differentiate, ``K ≥`` `FACTOR_LOG_DET_MIN_K`): ``−2 Σ log L_ii``, ``O(K)``. Else for ``Λ₀ = λI``
+        ``Σ_i log(s g_i/T + λ)`` from the fitted ``PᵀGP``'s eigenvalues (`ggn_eigenvalues`,
+        computed once), so each evaluation and its gradient cost ``O(K)``, not ``O(K³)``; else
+        a dense log-determinant."""
         temperature = float(self.temperature)
+        if self._factor_matches(prior, scale):
+            return -2.0 * self.scale_tril.diagonal().double().log().sum()
         if prior.lam.dim() == 0 and prior.gram is None:
             g = self.ggn_eigenvalues()
             return torch.log(scale * g / temperature + prior.lam).sum()
         post = scale * self.ggn.double() / temperature + prior.matrix()
         return logdet((post + post.T) / 2, "posterior precision")
 
+    def _factor_matches(self, prior: PriorPrecision, scale) -> bool:
+        """The formed dense factor is ``chol(Σ)`` of ``prior`` at the current GGN, and nothing
+        asks for a gradient."""
+        formed = self.__dict__.get("_factor_of")
+        if self.dim < FACTOR_LOG_DET_MIN_K:
+            return False
+        if formed is None or "scale_tril" in self.__dict__["_pending"]:
+            return False
+        if isinstance(scale, torch.Tensor) and scale.requires_grad or float(scale) != 1.0:
+            return False
+        if prior.lam.requires_grad or formed[1] != self._ggn_key():
+            return False
+        old = formed[0]
+        return (
+            old.gram is prior.gram
+            and old.lam.shape == prior.lam.shape
+            and torch.equal(old.lam, prior.lam.to(old.lam))
+        )
+
     def ggn_eigenvalues(self) -> torch.Tensor:
         """Eigenvalues ``(K,)`` float64 of the fitted ``PᵀGP`` (clamped at 0: it is PSD up to
-        rounding), cached until the curvature changes; from the ``(r, r)`` ``A Aᵀ`` of the kept
-        GGN rows when there are any (``r³`` instead of ``K³``, no ``(K, K)`` GGN)."""
+        rounding), cached until the curvature changes, in the buffers' dtype: from a copy in
+        the factor's memory (`_scratch`; LAPACK ``syevd`` without vectors, workspace ``O(K)``),
+        so no third ``(K, K)`` matrix; from the ``(r, r)`` ``A Aᵀ`` of the kept GGN rows when
+        there are any (``r³`` instead of ``K³``, no ``(K, K)`` GGN)."""
         root = self._root()
         if root is not None:  # AᵀA and the (r, r) A Aᵀ share their non-zero eigenvalues
             key = ("rows", id(self.__dict__["_rows"]))
@@ -370,9 +538,21 @@ class FullPosterior(Posterior):
                 g = torch.linalg.eigvalsh(row_gram(root.double()))
                 g = torch.cat([g, g.new_zeros(root.shape[1] - root.shape[0])])
             else:
-                g = torch.linalg.eigvalsh(symmetrize_(self.ggn.to(torch.float64, copy=True)))
+                scratch = self._scratch()
+                g = eigvalsh_(scratch.copy_(self.ggn)).double()
+                del scratch
             self.__dict__["_eig_cache"] = cached = (key, g.clamp_min(0))
         return cached[1]
+
+    def _scratch(self) -> torch.Tensor:
+        """A ``(K, K)`` matrix to overwrite: the memory of a dense-route factor (which is then
+        left to first use, formed again from the kept prior when next read), else new."""
+        buf = self._buffers["scale_tril"]
+        if self.__dict__["_route"] == "dense" and buf.is_contiguous():
+            self.__dict__["_pending"].add("scale_tril")
+            self.__dict__["_factor_of"] = None
+            return buf
+        return torch.empty(self.dim, self.dim, dtype=self.buffer_dtype, device=buf.device)
 
     # ------------------------------------------------------------------ draws and moments
 
@@ -393,10 +573,28 @@ class FullPosterior(Posterior):
         return self.scale_tril
 
     def marginal_variance(self) -> torch.Tensor:
+        """``diag Σ`` ``(K,)`` float64: the row sums of ``L²`` on the dense route (blocks of
+        rows, no ``Σ``), ``Σ``'s diagonal once it is formed, `Woodbury.marginal_variance` while
+        it is left in Woodbury's form."""
         woodbury = self._pending_woodbury()
-        if woodbury is None:
+        if woodbury is not None:
+            return woodbury.marginal_variance()
+        if "covariance_matrix" not in self.__dict__["_pending"]:
             return self.covariance_matrix.diagonal().double()
-        return woodbury.marginal_variance()
+        factor = self.scale_tril
+        out = torch.empty(self.dim, dtype=torch.float64, device=factor.device)
+        for s in range(0, self.dim, 256):
+            e = min(s + 256, self.dim)
+            out[s:e] = factor[s:e, :e].double().square().sum(1)
+        return out
+
+    def apply_covariance(self, v: torch.Tensor) -> torch.Tensor:
+        """``Σ v`` ``(..., K)`` float64: ``(v L) Lᵀ`` with the factor (no ``Σ``) on the dense
+        route."""
+        if self.__dict__["_route"] != "dense" or "covariance_matrix" not in self.__dict__["_pending"]:
+            return super().apply_covariance(v)
+        factor = self.scale_tril
+        return ((v.to(factor.dtype) @ factor) @ factor.T).double()
 
     def _pending_woodbury(self) -> Woodbury | None:
         """`Woodbury`'s form while ``Σ`` is left to first use, else ``None``."""
@@ -410,13 +608,14 @@ class FullPosterior(Posterior):
         overwriting ``jp`` when it is a column-major block, as the Jacobian blocks of a
         subnetwork are; positive semi-definite by construction); while ``L`` is left to first
         use, ``J Σ Jᵀ`` with ``Σ`` (no ``K³/3`` Cholesky for it); while ``Σ`` is left in
-        Woodbury's form, from its factors (`Woodbury.functional_covariance`)."""
+        Woodbury's form, from its factors (`Woodbury.functional_covariance`). The dense route
+        forms ``L`` (never ``Σ``) if it is pending."""
         woodbury = self._pending_woodbury()
         if woodbury is not None:
             return woodbury.functional_covariance(jp).to(self.buffer_dtype)
         jp = jp.to(self.buffer_dtype)
         n, o, k = jp.shape
-        if "scale_tril" in self.__dict__["_pending"]:
+        if self.__dict__["_route"] == "woodbury" and "scale_tril" in self.__dict__["_pending"]:
             js = (jp.reshape(n * o, k) @ self.covariance_matrix).view(n, o, k)
             return torch.bmm(js, jp.mT)
         factor = self.scale_tril
@@ -447,10 +646,17 @@ class FullPosterior(Posterior):
         return torch.einsum("np,cpdq,nq->ncd", phi, blocks, phi)
 
     def functional_covariance_on_grid(self, blocks, prior_at, rows=None):
-        """One eigendecomposition for the whole sweep: with ``Λ₀(λ) = λB``, ``B = L Lᵀ`` and
-        ``L⁻¹ (PᵀGP/T) L⁻ᵀ = U diag(e) Uᵀ``, ``Σ(λ) = L⁻ᵀ U diag(1/(e + λ)) Uᵀ L⁻¹``, so
-        ``J Σ(λ) Jᵀ = Σ_k a_k a_kᵀ / (e_k + λ)`` with ``a = J L⁻ᵀ U`` (``O(N·O²·K)`` per ``λ``,
-        no factorisation). A per-coordinate ``λ`` sweep falls back to the default."""
+        """``λ ↦ J Σ(λ) Jᵀ`` ``(N, O, O)`` float64 for a sweep over a scalar ``λ``.
+
+        ``Λ₀ = λI`` (index subspaces, orthonormal bases): where three ``(K, K)`` matrices fit
+        under `MAX_BYTES`, one eigendecomposition ``PᵀGP/T = U diag(e) Uᵀ`` for the whole sweep
+        (`linalg.eigh_evr_` on a copy in the factor's memory, in the buffers' dtype), so
+        ``J Σ(λ) Jᵀ = Σ_k a_k a_kᵀ / (e_k + λ)`` with ``a = J U`` (``O(N·O²·K)`` per ``λ``, no
+        factorisation); else, per ``λ``, one Cholesky factor of the precision in the factor's
+        memory and ``J Σ Jᵀ = Y Yᵀ`` with one triangular solve (two matrices:
+        `linalg.solve_reversed_cholesky`). The factor is formed again on its next use.
+        ``Λ₀ = λB`` with ``B = L Lᵀ`` (a dense basis): ``L⁻¹ (PᵀGP/T) L⁻ᵀ = U diag(e) Uᵀ``,
+        ``a = J L⁻ᵀ U`` in float64. A per-coordinate ``λ`` sweep falls back to the default."""
         unit = prior_at(torch.tensor(1.0, dtype=torch.float64))
         if unit.lam.dim() != 0:
             return super().functional_covariance_on_grid(blocks, prior_at, rows)
@@ -464,8 +670,28 @@ class FullPosterior(Posterior):
                 b = j
             jp.append(b)
         jp = torch.cat(jp)  # shape: (N, O, K)
+        n, o, k = jp.shape
+        temperature = float(self.temperature)
+        if unit.gram is None:
+            size = torch.empty((), dtype=self.buffer_dtype).element_size()
+            scratch = self._scratch()
+            if (len(HELD) + 1) * size * k * k <= MAX_BYTES or lapack_for(scratch) is None:
+                e, u = eigh_evr_(scratch.copy_(self.ggn))
+                del scratch
+                ju = (jp.to(u.dtype) @ u).double()  # shape: (N, O, K)
+                del u
+                e = e.double().clamp_min(0.0) / temperature
+                return lambda lam: torch.einsum("nok,k,npk->nop", ju, 1.0 / (e + lam), ju)
+
+            def f_cov(lam: torch.Tensor) -> torch.Tensor:
+                scratch = self._scratch()  # (the factor may have been formed since: again pending)
+                self._cholesky_reversed_(prior_at(torch.as_tensor(lam, dtype=torch.float64)), scratch)
+                y = solve_reversed_cholesky(scratch, jp.reshape(n * o, k)).view(n, o, k)
+                return torch.bmm(y, y.mT).double()
+
+            return f_cov
         chol = torch.linalg.cholesky(unit.matrix())
-        a = torch.linalg.solve_triangular(chol, self.ggn.double() / float(self.temperature), upper=False)
+        a = torch.linalg.solve_triangular(chol, self.ggn.double() / temperature, upper=False)
         a = torch.linalg.solve_triangular(chol, a.T.contiguous(), upper=False)
         e, u = torch.linalg.eigh((a + a.T) / 2)
         ju = jp @ torch.linalg.solve_triangular(chol.T, u, upper=True)
