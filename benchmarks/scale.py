@@ -6,7 +6,8 @@
    two processes, best of the rounds; torch pinned to one thread per process.
 2. The CNN pipeline: a ResNet-style CNN (BatchNorm, in-place ReLU; 3×32×32 synthetic inputs)
    through SWA + PCA + ESS with the BatchNorm refresh, diag-Laplace subnetwork selection +
-   full-covariance Laplace, top-20 GGN eigenpairs (Lanczos), last-layer MoLA and ECMP patches:
+   full-covariance Laplace, top-20 GGN eigenpairs (Lanczos), the top-20 K-FAC eigenbasis
+   (`subspaces.kfac_eigen`) + ESS in it, last-layer MoLA and ECMP patches:
    time and peak memory (RSS increase over the step, sampled every 5 ms) per step, vs N and D.
 3. Streaming: the same evaluations from a ``DataLoader`` vs in-memory tensors: numbers and
    peak memory.
@@ -300,6 +301,15 @@ def cnn_pipeline(
     step("full-cov subnetwork Laplace", subnet, laplace)
     step("top-20 GGN eigenpairs (60 G v)", 20,
          lambda: subspaces.ggn_eigen(net, lik, x, 20, chunk_size=chunk))  # fmt: skip
+    keig = step("kfac_eigen rank 20 (one K-FAC pass)", 20,
+                lambda: subspaces.kfac_eigen(net, lik, x, 20, chunk_size=chunk))  # fmt: skip
+
+    def ess_kfac():
+        model = SubspaceNet(net, keig, lik, temperature="auto")
+        kernel = EllipticalSliceSampler(model, chunk_size=chunk, recompute_bn=True)
+        MCMC(kernel, draws, 0, disable_progbar=True).run(x, y)
+
+    step(f"ESS ({draws} draws, BN refresh) in kfac_eigen", keig.rank, ess_kfac)
     head = net[-1].in_features
     step("last-layer MoLA (2 members)", (head + 1) * 10,
          lambda: MixtureOfLaplace([net, make(width)], lik, chunk_size=chunk).fit(x, y))  # fmt: skip
