@@ -318,3 +318,38 @@ def test_eigenvalues_are_the_top_of_the_assembled_kfac_matrix(options):
     assert torch.allclose(sub.eigenvalues, top, rtol=0, atol=1e3 * EPS * scale)
     p = sub.dense_basis()
     assert torch.allclose(dense @ p, p * sub.eigenvalues, rtol=0, atol=1e3 * EPS * scale)
+
+
+# ------------------------------------------------------------------ networks that reshape their batch
+
+
+@pytest.mark.parametrize("name", ["pairs", "sets", "tokens", "twice", "conv_pairs"])
+def test_networks_that_reshape_their_batch(name):
+    """Pairs, sets, tokens, a layer applied twice, a Conv2d on reshaped rows: the columns are
+    eigenvectors of the per-layer K-FAC definition (`test_reshaping_curvature._layer_factors`,
+    formed by brute force), the top ones, and EK-FAC's eigenvalues are the brute-force GGN's
+    Rayleigh quotients ``pᵀ G p`` of each data point's Jacobian."""
+    from test_reshaping_curvature import _ggn, _layer_factors, _problem
+
+    net, x, _, _ = _problem(name)
+    d = sum(p.numel() for p in net.parameters())
+    expected, offsets, start = torch.zeros(d, d, dtype=torch.float64), {}, 0
+    for pname, p in net.named_parameters():
+        offsets[pname] = (start, start + p.numel())
+        start += p.numel()
+    for layer, (a, g) in _layer_factors(net, x).items():
+        (w0, w1), (b0, b1) = offsets[f"{layer}.weight"], offsets[f"{layer}.bias"]
+        expected[w0:w1, w0:w1] = torch.kron(g.contiguous(), a.contiguous())
+        expected[b0:b1, b0:b1] = g
+    k = 5
+    lik = likelihoods.Categorical()
+    sub = subspaces.kfac_eigen(net, lik, x, k)
+    p = sub.dense_basis()
+    scale = float(sub.eigenvalues[0])
+    top = torch.linalg.eigvalsh(expected).flip(0)[:k]
+    assert torch.allclose(sub.eigenvalues, top, rtol=0, atol=1e4 * EPS * scale)
+    assert torch.allclose(expected @ p, p * sub.eigenvalues, rtol=0, atol=1e4 * EPS * scale)
+    ek = subspaces.kfac_eigen(net, lik, x, k, eigenvalues="ekfac")
+    q = ek.dense_basis()
+    quotients = torch.einsum("dk,de,ek->k", q, _ggn(net, x), q)
+    assert torch.allclose(ek.eigenvalues, quotients, rtol=1e3 * EPS, atol=1e3 * EPS * scale)
