@@ -353,3 +353,20 @@ def test_networks_that_reshape_their_batch(name):
     q = ek.dense_basis()
     quotients = torch.einsum("dk,de,ek->k", q, _ggn(net, x), q)
     assert torch.allclose(ek.eigenvalues, quotients, rtol=1e3 * EPS, atol=1e3 * EPS * scale)
+
+
+def test_a_dataloader_gives_the_tensors_subspace():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    net, shape = _mlp()
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 4, (shape[0],), generator=gen)
+    lik = likelihoods.Categorical()
+    loader = DataLoader(TensorDataset(x, y), batch_size=7)
+    for ev in ("kfac", "ekfac"):
+        a = subspaces.kfac_eigen(net, lik, x, 6, eigenvalues=ev)
+        b = subspaces.kfac_eigen(net, lik, loader, 6, eigenvalues=ev)
+        assert torch.allclose(a.eigenvalues, b.eigenvalues, rtol=1e3 * EPS)
+        pa, pb = a.dense_basis(), b.dense_basis()
+        assert torch.allclose(pa @ pa.T, pb @ pb.T, atol=1e-9)
