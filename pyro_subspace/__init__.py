@@ -4,7 +4,17 @@ A network's weights are written ``w = ŵ + P t``; Pyro's own inference (NUTS, HM
 Predictive) runs over the few coordinates ``t`` while the rest stays at a point estimate.
 """
 
-from . import batch, convert, datasets, distributed, infer, likelihoods, metrics, subspaces
+from . import (
+    batch,
+    convert,
+    datasets,
+    diagnostics,
+    distributed,
+    infer,
+    likelihoods,
+    metrics,
+    subspaces,
+)
 from .exceptions import (
     ConvergenceWarning,
     SubsamplingError,
@@ -31,6 +41,7 @@ __all__ = [
     "batch",
     "convert",
     "datasets",
+    "diagnostics",
     "distributed",
     "fit_map",
     "infer",

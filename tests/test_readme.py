@@ -110,3 +110,29 @@ def test_every_readme_command_prints_sane_numbers(argv, tmp_path, my_csv, capsys
             assert "NLL (MM)" in printed and "moment-matched" in printed
         else:  # classification (10 digits, 3 epochs here): better than a uniform guess
             assert row["acc"] > 0.7 and row["nll"] < math.log(10), (name, row)
+
+
+def test_readme_sampling_block_runs_and_reports_convergence():
+    """The 'Sampling you can trust' block, after the first block, with fewer draws: the kernel's
+    report is the one `diagnostics.check` computes, and the export has the per-draw stats."""
+    import warnings
+
+    from pyro_subspace import ConvergenceWarning
+
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+    first = blocks[0].replace("epochs=1000", "epochs=20").replace("swa_epochs=50", "swa_epochs=12")
+    first = first.replace("num_samples=300, warmup_steps=100", "num_samples=15, warmup_steps=5")
+    sampling = next(b for b in blocks if 'reference="auto"' in b)
+    sampling = sampling.replace("num_samples=1000, warmup_steps=200", "num_samples=20, warmup_steps=5")
+    namespace: dict = {}
+    exec(compile(first, str(README), "exec"), namespace)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        exec(compile(sampling, str(README), "exec"), namespace)
+    # 20 draws per chain cannot mix: the run warns, once, from the kernel
+    assert sum(issubclass(w.category, ConvergenceWarning) for w in seen) == 1
+    kernel, report = namespace["kernel"], namespace["report"]
+    assert not report.ok and report.chains == namespace["chains"] == 48
+    assert report.max_rhat == kernel.convergence.max_rhat
+    stats = namespace["idata"].sample_stats
+    assert stats["n_evals"].shape == stats["reference_df"].shape == (48, 20)
