@@ -10,6 +10,7 @@ A.2; the last-layer Laplace of Kristiadi et al., 2020). The output covariance of
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -18,8 +19,10 @@ from torch import nn
 from .. import batch as batching
 from ..linalg import symmetrize_
 from ..flat import FlatNet, eval_mode, flat_parameters
+from ..curvature.gram import gram_from_blocks
 from ..curvature.jacobians import Blocks, as_2d, weighted
 from .base import IndexSubspace
+from .feature_reduction import attention_mask, check_reduction, faithful, reduce_features
 
 
 def find_last_layer(net: nn.Module) -> tuple[str, nn.Module]:
@@ -63,6 +66,22 @@ NOT_THE_OUTPUT = (
 )
 
 
+class ReductionWarning(UserWarning):
+    """A ``feature_reduction`` that does not reproduce the network's outputs from the last
+    layer's (`feature_reduction.faithful`): the predictive's variances then use other
+    positions' features than the network's outputs, as laplace-torch's do."""
+
+
+#: what `ReductionWarning` says
+UNFAITHFUL = (
+    "feature_reduction={r!r} does not give the network's outputs from its last layer's "
+    "outputs on these inputs (the network keeps other positions, e.g. the last non-padding "
+    "token under right padding): the predictive's variances use the reduced features, as "
+    "laplace-torch's do (the fit uses the network's exact GGN on these rows); with an "
+    "attention mask, 'pick_last_token' or 'masked_average' read the tokens the network attends to"
+)
+
+
 def uses_features(sub: object, flat: FlatNet, x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``sub`` is a last layer whose closed form holds on ``x`` (`LastLayerSubspace.closed_form`):
     the callers that read its features (the linearised predictive, the grid sweep) ask this
@@ -94,16 +113,30 @@ class LastLayerSubspace(IndexSubspace):
     Args:
         net: the network; its last module with parameters must be an ``nn.Linear``.
         shift: the flat weights ``ŵ`` ``(D,)``; default the network's current weights.
+        feature_reduction: for a layer that sees ``(n, T, P)`` (a sequence per data point)
+            while the network outputs ``(n, C)``: which feature row ``φ_n`` the closed form
+            reads (`feature_reduction.REDUCTIONS`: laplace-torch's mask-blind
+            ``"pick_first"``, ``"pick_last"``, ``"average"``, or the mask-aware
+            ``"pick_last_token"``, ``"masked_average"``). ``None``: such a layer takes the
+            generic route (the network's exact Jacobian). With a reduction the predictive
+            reads the reduced features, as laplace-torch's does, also where the reduction does
+            not reproduce the network's outputs (`feature_reduction.faithful`; a warning
+            says so); the fit's GGN is the closed form on the rows where it does and the
+            network's exact GGN elsewhere (laplace-torch's default curvlinops backend forms
+            the exact GGN for ``"full"`` too).
 
     ``rows`` ``(C, P̃)`` gives, for each output ``c``, the coordinates of ``[W_c, b_c]``
-    (``P̃ = P + 1`` with a bias). Persistence: build ``LastLayerSubspace(net)`` again and
-    ``load_state_dict``.
+    (``P̃ = P + 1`` with a bias). Persistence: build ``LastLayerSubspace(net, ...)`` again
+    with the same ``feature_reduction`` and ``load_state_dict``.
     """
 
     kind = "last_layer"
     rows: torch.Tensor
 
-    def __init__(self, net: nn.Module, shift: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, net: nn.Module, shift: torch.Tensor | None = None, feature_reduction: str | None = None
+    ) -> None:
+        reduction = check_reduction(feature_reduction)
         name, last = find_last_layer(net)
         if type(last) is not nn.Linear:
             raise TypeError(
@@ -121,6 +154,7 @@ class LastLayerSubspace(IndexSubspace):
         shift = flat.vector() if shift is None else shift
         super().__init__(shift, last_layer_indices(net).to(shift.device))
         self.layer_name = name
+        self.feature_reduction = reduction
         c, p = last.weight.shape
         rows = torch.arange(c * p).reshape(c, p)
         if last.bias is not None:
@@ -140,6 +174,7 @@ class LastLayerSubspace(IndexSubspace):
         not: its last-layer Jacobian is then taken by the generic `IndexSubspace` route."""
         if not (isinstance(x, torch.Tensor) or batching.is_mapping(x)) or batching.rows(x) == 0:
             return True
+        attention_mask(x, self.feature_reduction)  # a mask-aware reduction's mask, before a pass
         layer = flat.net.get_submodule(self.layer_name)
         calls: list[tuple[torch.Tensor, torch.Tensor]] = []
         handle = layer.register_forward_hook(lambda m, inp, out: calls.append((inp[0], out)))
@@ -153,33 +188,60 @@ class LastLayerSubspace(IndexSubspace):
         if len(calls) != 1 or out.dim() not in (1, 2) or out.shape[0] != n:
             return False
         inp, layer_out = calls[0]
+        if self.feature_reduction is not None and inp.dim() > 2:  # (n, T, P) reduced to (n, P)
+            mask = attention_mask(xc, self.feature_reduction)
+            reduced = reduce_features(layer_out, self.feature_reduction, mask)
+            return inp.shape[0] == n and reduced.shape == as_2d(out).shape
         return inp.dim() == 2 and inp.shape[0] == n and layer_out.shape == as_2d(out).shape
 
     def feature_blocks(
         self, flat: FlatNet, x: torch.Tensor, w: torch.Tensor, chunk_size: int | None = 1024
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(outputs (n, C), φ̃ (n, P̃))`` per chunk at the flat weights ``w``: one forward pass
-        each, the penultimate features read by a forward hook on the last layer. A ``ValueError``
-        at the first chunk when the layer's output is not the network's output (a network that
-        transforms it further, e.g. ``Linear → Tanh``, which the closed form would get wrong)."""
+        each, the penultimate features read by a forward hook on the last layer (reduced to one
+        row per data point by ``feature_reduction``). A ``ValueError`` at the first chunk when
+        the layer's output is not the network's output (a network that transforms it further,
+        e.g. ``Linear → Tanh``, which the closed form would get wrong); a `ReductionWarning`
+        where a reduction does not reproduce the network's outputs (laplace-torch's
+        predictive reads the reduced features there too)."""
+        warned = False
+        for _, out, phi, exact in self._reduced_blocks(flat, x, w, chunk_size):
+            if not exact and not warned:
+                warned = True
+                warnings.warn(ReductionWarning(UNFAITHFUL.format(r=self.feature_reduction)), stacklevel=2)
+            yield out, phi
+
+    def _reduced_blocks(self, flat, x, w, chunk_size):
+        """``(x chunk, outputs, φ̃, faithful)`` per chunk (`feature_blocks`); ``faithful``: the
+        reduced layer outputs are the network's (always, without a reduction)."""
         layer = flat.net.get_submodule(self.layer_name)
         feats: list[tuple[torch.Tensor, torch.Tensor]] = []
         handle = layer.register_forward_hook(lambda m, inp, out: feats.append((inp[0], out)))
+        reduction = self.feature_reduction
         try:
             with torch.no_grad(), eval_mode(flat.net):
                 for xc in batching.split(x, chunk_size or 4096):
+                    feats.clear()  # a caller's passes between two chunks are not this one's
                     out = as_2d(flat(w, xc))
                     inp, layer_out = feats.pop()
+                    exact = True
+                    if reduction is not None and inp.dim() > 2 and not len(feats):
+                        mask = attention_mask(xc, reduction)
+                        exact = faithful(layer_out, out, reduction, mask)
+                        inp = reduce_features(inp, reduction, mask)
+                        layer_out = out if exact else reduce_features(layer_out, reduction, mask)
                     if len(feats) or inp.dim() != 2 or layer_out.shape != out.shape:
                         raise ValueError(
                             f"net: the last linear layer {self.layer_name!r} does not see one "
                             f"row of features per data point (input {tuple(inp.shape)}, output "
                             f"{tuple(layer_out.shape)} for outputs {tuple(out.shape)}): a network "
                             "that reshapes its batch; check closed_form(...) first and take "
-                            "the IndexSubspace route (jacobian_blocks, ggn_sum do)"
+                            "the IndexSubspace route (jacobian_blocks, ggn_sum do), or give "
+                            "feature_reduction for sequence features (n, T, P)"
                         )
-                    if layer_out.numel() != out.numel() or not torch.equal(
-                        layer_out.reshape(out.shape), out
+                    if exact and (
+                        layer_out.numel() != out.numel()
+                        or not torch.equal(layer_out.reshape(out.shape), out)
                     ):
                         raise ValueError(
                             f"net: the output of the last linear layer {self.layer_name!r} is "
@@ -188,7 +250,7 @@ class LastLayerSubspace(IndexSubspace):
                     phi = inp.detach().reshape(batching.rows(xc), -1).to(out)
                     if self.rows.shape[1] > phi.shape[1]:  # bias column
                         phi = torch.cat([phi, torch.ones_like(phi[:, :1])], dim=1)
-                    yield out, phi
+                    yield xc, out, phi, exact
         finally:
             handle.remove()
 
@@ -212,7 +274,11 @@ class LastLayerSubspace(IndexSubspace):
             return super().ggn_sum(flat, x, w, chunk_size, factor, diagonal, total, dtype, rows)
         c, p = self.rows.shape
         g4 = None
-        for out, phi in self.feature_blocks(flat, x, w, chunk_size):
+        for xc, out, phi, exact in self._reduced_blocks(flat, x, w, chunk_size):
+            if not exact:  # a reduction that is not the network's: its exact GGN on these rows
+                blocks = IndexSubspace.jacobian_blocks(self, flat, xc, w, chunk_size, factor)
+                total = gram_from_blocks(blocks, diagonal, total, dtype)
+                continue
             fac = factor(out).to(phi)
             h = fac @ fac.mT  # shape: (n, C, C)
             hphi = (h[:, :, :, None] * phi[:, None, None, :]).reshape(phi.shape[0], -1)

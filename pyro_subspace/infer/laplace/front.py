@@ -27,6 +27,7 @@ from ...linalg import gaussian_draws
 from ...likelihoods import Categorical, Gaussian, Likelihood, check_likelihood, check_temperature
 from ...nn import SubspaceNet
 from ...subspaces import IndexSubspace, LastLayerSubspace, Subspace, subnetwork
+from ...subspaces.feature_reduction import check_reduction
 from ...transaction import transaction
 from .guide import AutoSubspaceLaplace
 from .predictive import differentiable_moments, joint_moments, linearized_moments, linearized_variances
@@ -68,6 +69,7 @@ def Laplace(
     dict_key_x: str = DICT_KEY_X,
     dict_key_y: str = DICT_KEY_Y,
     enable_backprop: bool = False,
+    feature_reduction: str | None = None,
     **strategy_kwargs: object,
 ) -> NetLaplace:
     """A linearised Laplace approximation of ``net`` at its current weights (the MAP).
@@ -97,6 +99,14 @@ def Laplace(
             are ``batch[dict_key_y]`` and the inputs every other entry (passed to the network
             by `batch`'s rule); ``dict_key_x`` names the entry whose rows laplace-torch counts
             (here any entry's: they share their first dimension).
+        feature_reduction: laplace-torch's, only with ``"last_layer"``: a last layer that sees
+            a sequence ``(N, T, P)`` per data point (a transformer's head) gets the closed-form
+            Jacobian from one feature row per point: ``"pick_first"``, ``"pick_last"``,
+            ``"average"`` as laplace-torch 0.3 defines them (blind to the attention mask: its
+            numbers), or ``"pick_last_token"``/``"masked_average"``, which read
+            ``x["attention_mask"]`` so that padding never changes a row's prediction
+            (`subspaces.feature_reduction`, `LastLayerSubspace`). ``None``: the network's
+            exact Jacobian.
         enable_backprop: laplace-torch's: the GLM predictive's moments (and ``la(x)``,
             `functional_samples`) differentiable in the inputs, for Bayesian optimisation
             (`predictive.differentiable_moments`: ``J`` by ``torch.func``, the dense ``Σ``).
@@ -193,6 +203,13 @@ def Laplace(
                 "subnetwork"
             )
     strategy = "magnitude" if strategy is None else strategy
+    if check_reduction(feature_reduction) is not None and not (
+        isinstance(subset_of_weights, str) and subset_of_weights == "last_layer"
+    ):  # laplace-torch's other Laplace classes refuse it too
+        raise TypeError(
+            f"feature_reduction: only used with subset_of_weights='last_layer' (got "
+            f"{_describe(subset_of_weights)}); leave it out"
+        )
     for name in strategy_kwargs:  # nothing is accepted and then ignored
         if name in _LT_KEYWORDS:
             raise TypeError(f"{name}: not an argument of Laplace here: {_LT_KEYWORDS[name]}")
@@ -219,6 +236,8 @@ def Laplace(
         sub = Subspace(w, subset_of_weights.to(w.device))
     elif subset_of_weights == "all":
         sub = all_weights(net)
+    elif subset_of_weights == "last_layer" and feature_reduction is not None:
+        sub = LastLayerSubspace(net, feature_reduction=feature_reduction)
     elif subset_of_weights == "last_layer":
         sub = subnetwork(net, strategy="last_layer")
     elif subset_of_weights == "subnetwork":
