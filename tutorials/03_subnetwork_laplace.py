@@ -105,8 +105,8 @@ def laplace(net, lik, x, y, subspace, prior_precision):
 # Coming from laplace-torch? `infer.Laplace(net, likelihood, subset_of_weights, hessian_structure,
 # prior_precision)` builds the same posterior in one line, with laplace-torch's names (`la(x)`
 # predicts) and the Pyro autoguide as `la.guide` (`Predictive(la.model, guide=la.guide)`);
-# `hessian_structure` is `"full"`, `"diag"` or `"lowrank"` (top-`rank` GGN
-# eigenpairs plus the prior as an isotropic remainder). Below, `laplace(...)` spells the subspace out; the front door gives the same
+# `hessian_structure` is `"full"`, `"diag"`, `"lowrank"` (top-`rank` GGN
+# eigenpairs plus the prior as an isotropic remainder) or `"gp"` (the GP view, below). Below, `laplace(...)` spells the subspace out; the front door gives the same
 # posterior, which the cell after the fits checks.
 
 # %%
@@ -171,6 +171,27 @@ for _ in range(20 if TINY else 100):
     (-front.log_marginal_likelihood(log_prior.exp())).backward()
     hyper.step()
 print(f"laplace-torch's loop: λ = {float(front.prior_precision):.3g} (weight decay gave {lam:.3g})")
+
+# %% [markdown]
+# laplace-torch's GP view (`hessian_structure="gp"`, Immer et al. 2021): the same linearised
+# posterior in function space, conditioned on `n_subset` of the `N` points drawn with its seeded
+# sampler (the prior scaled by `N/M`). On all the points it is the last-layer Laplace above
+# (push-through identity); on a subset of 30 it costs a `30 × 30` kernel instead.
+
+# %%
+lam_front = float(front.prior_precision)  # the λ the loop above wrote back
+gp_all = infer.Laplace(net, lik, "last_layer", "gp", prior_precision=lam_front).fit(x, y)
+gp_var = gp_all(data.grid)[1][:, 0, 0].double()
+ll_var = front(data.grid)[1][:, 0, 0].double()
+# `front` keeps float32 buffers (a float32 network): its small variances carry float32's
+# rounding relative to the largest one, so compare at that scale
+close = torch.allclose(gp_var, ll_var, rtol=1e-4, atol=1e-4 * float(ll_var.max()))
+assert close, "the GP view on all points is the last-layer Laplace"
+gp_30 = infer.Laplace(net, lik, "last_layer", "gp", n_subset=30, seed=0, prior_precision=lam)
+gp_30.fit(x, y)
+in_gap = data.grid_x.abs() < 0.3
+print(f"GP view, all {n} points = last-layer Laplace; on 30 points the gap std is "
+      f"{float(gp_30(data.grid)[1][in_gap, 0, 0].sqrt().mean()):.3g}")
 
 # %%
 with torch.no_grad():
