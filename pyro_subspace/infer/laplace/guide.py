@@ -72,7 +72,9 @@ class AutoSubspaceLaplace(AutoContinuous):
         hessian_structure: ``"full"``, ``"diag"``, ``"lowrank"``, ``"kron"`` (K-FAC, for a
             subspace of whole parameter tensors) or ``"auto"`` (``"full"`` while its ``(K, K)``
             buffers fit `posteriors.AUTO_BUDGET_BYTES`, else ``"kron"``; ``structure_choice``
-            says which and why): the `Posterior` the guide holds (`posteriors`).
+            says which and why): the `Posterior` the guide holds (`posteriors`); ``"gp"``:
+            laplace-torch's GP view on a subset of the data (`posteriors.FunctionalPosterior`,
+            its options ``n_subset``, ``independent_outputs``, ``seed``), with its own evidence.
         chunk_size: rows of data per Jacobian block.
         rank: ``k`` of ``"lowrank"`` (top-``k`` GGN eigenpairs plus the prior as an isotropic
             remainder, `posteriors.LowRankPosterior`), ``1 <= k <= K``; default ``min(K, 10)``.
