@@ -1,0 +1,158 @@
+"""The full structure at large ``K`` (issue 37): two ``(K, K)`` matrices, the GGN and the
+Cholesky factor, formed in place by LAPACK (``K ≥ 64``: the contract suite's ``K = 6`` takes
+torch's route), checked in float32 and float64 against dense linear algebra.
+
+Tolerances: float64 ``1e-10`` relative (``κ ≈ 1e2`` times a few ``K ε``); float32
+``200 · K · ε₃₂ · κ``-free bound ``1e-3`` where ``κ(Σ⁻¹) ≈ 1e2`` and ``K = 96``
+(Cholesky's backward error ``K ε ‖P‖`` times ``κ``: ``96 · 6e-8 · 1e2 ≈ 6e-4``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from pyro_subspace.infer.laplace.posteriors import full
+from pyro_subspace.infer.laplace.posteriors.base import PriorPrecision
+from pyro_subspace.infer.laplace.posteriors.full import FullPosterior
+
+K = 96
+T = 2.0
+TOL = {torch.float64: 1e-10, torch.float32: 1e-3}
+
+
+class Evaluator:
+    temperature = T
+
+    def __init__(self, c: torch.Tensor) -> None:
+        self.c = c
+
+    def ggn(self, t, diagonal=False, dtype=torch.float64, rows=None, **kwargs):
+        return self.c.to(dtype).clone()
+
+
+def ggn(seed: int = 0, rank: int = 2 * K) -> torch.Tensor:
+    """A GGN ``(K, K)`` from ``rank`` rows (``N·C ≥ K``: the formed, not the Woodbury, route)."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(rank, K, generator=gen, dtype=torch.float64) / rank**0.5
+    return a.T @ a
+
+
+def fitted(dtype, lam=0.7, seed=0, rank=2 * K):
+    c = ggn(seed, rank)
+    post = FullPosterior(K, dtype=dtype)
+    post.fit_curvature(Evaluator(c), torch.zeros(K, dtype=torch.float64))
+    prior = PriorPrecision(torch.as_tensor(lam, dtype=torch.float64), None, K)
+    post.set_prior(prior)
+    return post, prior, c.to(dtype).double()  # the reference: the GGN as the buffers hold it
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b).abs().max() / b.abs().max())
+
+
+def held(post) -> set[str]:
+    """The ``(K, K)`` buffers that hold memory."""
+    return {name for name in full.BUFFERS if post._buffers[name].is_contiguous()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fit_evidence_predictive_and_draws_hold_the_ggn_and_the_factor(dtype, monkeypatch):
+    monkeypatch.setattr(full, "FACTOR_LOG_DET_MIN_K", 64)  # the evidence from the factor
+    post, prior, c = fitted(dtype, lam=[0.5 + i / K for i in range(K)])
+    precision = c / T + torch.diag(prior.lam)
+    cov = torch.linalg.inv(precision)
+    assert held(post) == {"ggn", "scale_tril"}
+    assert post.pending == {"precision_matrix", "covariance_matrix"}
+    # L: the Cholesky factor of Σ, lower triangular, formed without Σ
+    assert torch.equal(post.scale_tril, post.scale_tril.tril())
+    assert rel(post.scale_tril, torch.linalg.cholesky(cov)) < TOL[dtype]
+    # the evidence at the factor's λ from its diagonal; at another λ from a dense log-det
+    assert abs(float(post.log_det(prior)) - float(torch.logdet(precision))) < TOL[dtype] * K
+    assert rel(post.marginal_variance(), cov.diagonal()) < TOL[dtype]
+    gen = torch.Generator().manual_seed(3)
+    jac = torch.randn(5, 3, K, generator=gen, dtype=torch.float64)
+    want = torch.einsum("nok,kl,npl->nop", jac, cov, jac)
+    assert rel(post.functional_covariance(jac.to(dtype)), want) < TOL[dtype]
+    v = torch.randn(4, K, generator=gen, dtype=torch.float64)
+    assert rel(post.apply_covariance(v), v @ cov) < TOL[dtype]
+    eps = torch.randn(7, K, generator=gen, dtype=torch.float64)
+    assert rel(post.draw(eps), eps.to(dtype).double() @ post.scale_tril.double().T) < 1e-6
+    assert held(post) == {"ggn", "scale_tril"}  # still two matrices
+    # precision and covariance: formed when read, then kept
+    assert rel(post.covariance_matrix, cov) < TOL[dtype]
+    assert torch.equal(post.covariance_matrix, post.covariance_matrix.T)
+    assert rel(post.precision_matrix, precision) < TOL[dtype]
+    assert held(post) == set(full.BUFFERS)
+    post.set_prior(prior)  # a new prior: the stale two given back
+    assert held(post) == {"ggn", "scale_tril"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_eigenvalues_for_marglik_take_the_factors_memory_and_it_comes_back(dtype):
+    post, prior, c = fitted(dtype)
+    factor = post.scale_tril.clone()
+    lam = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
+    logdet = post.log_det(PriorPrecision(lam, None, K))
+    assert "scale_tril" in post.pending and held(post) == {"ggn"}  # given back
+    want = torch.logdet(c / T + 3.0 * torch.eye(K, dtype=torch.float64))
+    assert abs(float(logdet) - float(want)) < TOL[dtype] * K
+    (grad,) = torch.autograd.grad(logdet, lam)  # d/dλ log|P| = tr(P⁻¹)
+    want_grad = torch.linalg.inv(c / T + 3.0 * torch.eye(K, dtype=torch.float64)).trace()
+    assert abs(float(grad) - float(want_grad)) < TOL[dtype] * float(want_grad)
+    assert torch.equal(post.scale_tril, factor)  # formed again for the kept prior, the same
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("eigen", [True, False])
+def test_the_grid_by_one_eigenbasis_or_one_factor_per_lambda(dtype, eigen, monkeypatch):
+    post, prior, c = fitted(dtype)
+    if not eigen:  # three (K, K) matrices do not fit: one Cholesky factor per λ
+        size = torch.empty((), dtype=dtype).element_size()
+        monkeypatch.setattr(full, "MAX_BYTES", int(2.5 * size * K * K))
+    gen = torch.Generator().manual_seed(5)
+    blocks = [torch.randn(4, 3, K, generator=gen, dtype=torch.float64) for _ in range(2)]
+    f_cov = post.functional_covariance_on_grid(blocks, lambda lam: PriorPrecision(lam, None, K))
+    assert held(post) == {"ggn", "scale_tril"} if not eigen else held(post) <= {"ggn", "scale_tril"}
+    jac = torch.cat(blocks)
+    for lam in (0.05, 1.0, 40.0):
+        cov = torch.linalg.inv(c / T + lam * torch.eye(K, dtype=torch.float64))
+        want = torch.einsum("nok,kl,npl->nop", jac, cov, jac)
+        cond = float(torch.linalg.cond(c / T + lam * torch.eye(K, dtype=torch.float64)))
+        tol = TOL[dtype] if dtype == torch.float64 else 2 * K * 6e-8 * cond
+        assert rel(f_cov(torch.tensor(lam, dtype=torch.float64)), want) < tol, lam
+    # the factor comes back for the prior set before the sweep
+    assert rel(post.scale_tril, torch.linalg.cholesky(torch.linalg.inv(c / T + 0.7 * torch.eye(K, dtype=torch.float64)))) < TOL[dtype]
+
+
+def test_the_size_rule_counts_two_matrices_and_names_the_sizes():
+    FullPosterior(42438, dtype=torch.float32)  # the paper's K: 2 x 7.2 GB, no memory until fit
+    with pytest.raises(ValueError, match=r"46,341.*two.*16\.0 GiB.*kron"):
+        FullPosterior(46341, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"32,769.*float64.*dtype=torch.float32"):
+        FullPosterior(32769, dtype=torch.float64)
+
+
+def test_an_ill_conditioned_float32_precision_is_repaired_in_float64_or_warned(monkeypatch):
+    """A GGN of rank ``K/2`` and λ = 1e-5: ``κ ≈ 1e5``, above `FLOAT32_MAX_CONDITION`. Where a float64 factor fits it is
+    formed in float64 (and matches float64 to float32 rounding of the GGN); where it does not,
+    the float32 factor is kept with a warning that states the condition bound."""
+    post32, _, _ = fitted(torch.float32, lam=1e-5, rank=K // 2)
+    ref = post32.ggn.double() / T + 1e-5 * torch.eye(K, dtype=torch.float64)
+    want = torch.linalg.cholesky(torch.linalg.inv(ref))
+    assert rel(post32.scale_tril, want) < 1e-5  # float64 factor of the float32 GGN, rounded
+    size = 4 * K * K
+    monkeypatch.setattr(full, "MAX_BYTES", 3 * size)  # two float32 fit, a float64 repair not
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        post, _, _ = fitted(torch.float32, lam=1e-5, rank=K // 2)
+    assert any("condition number above" in str(w.message) for w in caught)
+    assert bool(torch.isfinite(post.scale_tril).all())
+    # float32 Cholesky + inverse lose about κ ε₃₂ relative: compare the covariance it implies
+    # on the well-determined directions (J of the GGN's top eigenvectors), not the tiny ones
+    e, u = torch.linalg.eigh(ref)
+    top = u[:, -10:].T[None]  # shape: (1, 10, K)
+    got = post.functional_covariance(top.float()).double()
+    assert rel(got, torch.diag(1 / e[-10:])[None]) < 1e-3
