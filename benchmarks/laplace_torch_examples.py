@@ -702,6 +702,352 @@ def calibration_gp_example(lib, n_train=100, n_test=50, ms=(50, 100), pretrain_s
     return out
 
 
+
+# --------------------------------------------------------------------------- Bayesian optimisation
+
+
+class _Model(nn.Module):
+    """Stand-in for ``botorch.models.model.Model`` (what ``LaplaceBNN`` subclasses)."""
+
+
+class _Posterior:
+    """Stand-in for ``botorch.posteriors.gpytorch.GPyTorchPosterior``: holds the
+    ``gpytorch`` ``MultivariateNormal``; ``mean``, ``variance``."""
+
+    def __init__(self, distribution):
+        self.distribution = distribution
+        self.mean = distribution.mean.unsqueeze(-1)
+        self.variance = distribution.variance.unsqueeze(-1)
+
+
+def branin(x):
+    """Stand-in for ``botorch.test_functions.Branin()`` (its definition, minimum 0.397887)."""
+    x1, x2 = x[..., 0], x[..., 1]
+    a, b, c, r, s, t = 1.0, 5.1 / (4 * math.pi**2), 5 / math.pi, 6.0, 10.0, 1 / (8 * math.pi)
+    return a * (x2 - b * x1**2 + c * x1 - r) ** 2 + s * (1 - t) * torch.cos(x1) + s
+
+
+def expected_improvement(model, X, best_f):
+    """Stand-in for botorch's analytic ``ExpectedImprovement(model, best_f, maximize=False)``:
+    ``X`` ``(B, 1, d)`` → ``σ (u Φ(u) + φ(u))``, ``u = (best_f − μ) / σ``."""
+    post = model.posterior(X)
+    mean, sigma = post.mean.squeeze(-1).squeeze(-1), post.variance.squeeze(-1).squeeze(-1).clamp_min(1e-12).sqrt()
+    u = (best_f - mean) / sigma
+    normal = torch.distributions.Normal(torch.zeros_like(u), torch.ones_like(u))
+    return sigma * (u * normal.cdf(u) + normal.log_prob(u).exp())
+
+
+def optimize_acqf(acq_f, bounds, q, num_restarts, raw_samples, steps=5, lr=0.1):
+    """Stand-in for ``botorch.optim.optimize_acqf`` (q = 1): the best of ``raw_samples``
+    uniform candidates, then ``steps`` Adam steps of gradient ascent on the acquisition, inside
+    ``bounds`` (the gradient flows through ``la(x, joint=True)``: ``enable_backprop``)."""
+    lo, hi = bounds[0], bounds[1]
+    X = lo + (hi - lo) * torch.rand(raw_samples, 1, bounds.shape[1])
+    with torch.no_grad():
+        best = acq_f(X).argmax()
+    x = X[best : best + 1].clone().requires_grad_(True)
+    opt = torch.optim.Adam([x], lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        (-acq_f(x).sum()).backward()
+        opt.step()
+        with torch.no_grad():
+            x.copy_(torch.maximum(torch.minimum(x, hi), lo))
+    with torch.no_grad():
+        val = acq_f(x)
+    return x.detach().reshape(q, -1), val
+
+
+def bayesopt_example(lib, n_epochs=1000, exp_len=2, n_test=1000):
+    """``examples/bayesopt_example.py``'s ``LaplaceBNN`` (a 2-50-50-1 network trained by Adam,
+    then ``Laplace(..., "regression", subset_of_weights="all", hessian_structure="kron",
+    enable_backprop=True)``, ``optimize_prior_precision(n_steps=50)``, the joint predictive
+    ``la(X, joint=True)`` as a botorch posterior) and its main loop on Branin with EI
+    (``exp_len`` steps; the script: 500), the BNN-LA model only. botorch by stand-ins
+    (`_Model`, `_Posterior`, `branin`, `expected_improvement`, `optimize_acqf`); test points
+    ``n_test`` (the script: 10,000). Returned: the test MSE after each step (what the progress
+    bar prints), the proposals and their values, the EI and its input gradient at fixed
+    points."""
+    Laplace = lib.Laplace
+    from typing import Any, List, Optional
+
+    from gpytorch import distributions as gdists
+    from torch import distributions as dists
+    from torch import optim
+    from torch.nn import functional as F
+
+    class LaplaceBNN(_Model):
+        def __init__(self, train_X, train_Y, bnn=None, likelihood="regression", batch_size=1024):
+            super().__init__()
+            self.train_X = train_X
+            self.train_Y = train_Y
+            self.likelihood = likelihood
+            self.batch_size = batch_size
+            self.nn = nn.Sequential(
+                nn.Linear(train_X.shape[-1], 50), nn.ReLU(), nn.Linear(50, 50), nn.ReLU(),
+                nn.Linear(50, train_Y.shape[-1]),
+            )  # fmt: skip
+            self.bnn = bnn
+            if self.bnn is None:
+                self._train_model(self._get_train_loader())
+
+        def posterior(self, X, output_indices: Optional[List[int]] = None, observation_noise=False,
+                      posterior_transform=None, **kwargs: Any):  # fmt: skip
+            B, Q, D = X.shape
+            X = X.reshape(B * Q, D)
+            mean_y, cov_y = self._get_prediction(X, use_test_loader=False)
+            K = self.num_outputs
+            mean_y = mean_y.reshape(B, Q * K)
+            cov_y += 1e-4 * torch.eye(B * Q * K)
+            cov_y = cov_y.reshape(B, Q, K, B, Q, K)
+            cov_y = torch.einsum("bqkbrl->bqkrl", cov_y)
+            cov_y = cov_y.reshape(B, Q * K, Q * K)
+            dist = gdists.MultivariateNormal(mean_y, covariance_matrix=cov_y)
+            post_pred = _Posterior(dist)
+            if posterior_transform is not None:
+                return posterior_transform(post_pred)
+            return post_pred
+
+        def condition_on_observations(self, X, Y, **kwargs: Any):
+            self.train_X = torch.cat([self.train_X, X], dim=0)
+            self.train_Y = torch.cat([self.train_Y, Y], dim=0)
+            train_loader = self._get_train_loader()
+            self._train_model(train_loader)
+            reseed(200)  # added (`reseed`): the new model's network is initialised after the fit
+            return LaplaceBNN(self.train_X, self.train_Y, self.bnn, self.likelihood, self.batch_size)
+
+        @property
+        def num_outputs(self) -> int:
+            return self.train_Y.shape[-1]
+
+        def _train_model(self, train_loader):
+            optimizer = optim.Adam(self.nn.parameters(), lr=1e-1, weight_decay=1e-3)
+            scheduler = optim.lr_scheduler.CosineAnnealingLR(optimizer, n_epochs * len(train_loader))
+            loss_func = nn.MSELoss()
+            for i in range(n_epochs):
+                for x, y in train_loader:
+                    optimizer.zero_grad()
+                    output = self.nn(x)
+                    loss = loss_func(output, y)
+                    loss.backward()
+                    optimizer.step()
+                    scheduler.step()
+            self.nn.eval()
+            self.bnn = Laplace(
+                self.nn, self.likelihood, subset_of_weights="all", hessian_structure="kron",
+                enable_backprop=True,
+            )  # fmt: skip
+            self.bnn.fit(train_loader)
+            self.bnn.optimize_prior_precision(n_steps=50)
+
+        def _get_prediction(self, test_x, joint=True, use_test_loader=False):
+            if not use_test_loader:
+                mean_y, cov_y = self.bnn(test_x, joint=True)
+            else:
+                test_loader = data_utils.DataLoader(
+                    data_utils.TensorDataset(test_x, torch.zeros_like(test_x)), batch_size=256
+                )
+                mean_y, cov_y = [], []
+                for x_batch, _ in test_loader:
+                    _mean_y, _cov_y = self.bnn(x_batch, joint=joint)
+                    mean_y.append(_mean_y)
+                    cov_y.append(_cov_y)
+                mean_y = torch.cat(mean_y, dim=0).squeeze()
+                cov_y = torch.cat(cov_y, dim=0).squeeze()
+            return mean_y, cov_y
+
+        def _get_train_loader(self):
+            return data_utils.DataLoader(
+                data_utils.TensorDataset(self.train_X, self.train_Y), batch_size=self.batch_size, shuffle=True
+            )
+
+    # __main__ with --test_func branin --acqf EI --randseed 1
+    randseed = 1
+    np.random.seed(randseed)
+    torch.set_default_dtype(torch.float64)  # the script's own: restored by `default_dtype`
+    torch.manual_seed(randseed)
+    true_f = branin
+    bounds = torch.tensor([[-5, 10], [0, 15]]).T.double()
+    train_data_points = 20
+    train_x = torch.cat([dists.Uniform(*bounds.T[i]).sample((train_data_points, 1)) for i in range(2)], dim=1)
+    train_y = true_f(train_x).reshape(-1, 1)
+    test_x = torch.cat([dists.Uniform(*bounds.T[i]).sample((n_test, 1)) for i in range(2)], dim=1)
+    test_y = true_f(test_x)
+    models = {"BNN-LA": LaplaceBNN(train_x, train_y)}
+
+    def evaluate_model(model_name, model):
+        pred, _ = model._get_prediction(test_x, use_test_loader=True, joint=False)
+        return F.mse_loss(pred, test_y).squeeze().item()
+
+    out = {}
+    for model_name, model in models.items():
+        np.random.seed(randseed)
+        torch.set_default_dtype(torch.float64)
+        torch.manual_seed(randseed)
+        best_y = train_y.min().item()
+        mse, proposals = [evaluate_model(model_name, model)], []
+        probe = torch.tensor([[[0.0, 5.0]], [[5.0, 5.0]], [[-3.0, 12.0]]], requires_grad=True)  # added
+        ei = expected_improvement(model, probe, best_y)
+        (grad,) = torch.autograd.grad(ei.sum(), probe)
+        out["EI at 3 points"], out["d EI / dx"] = ei.detach(), grad
+        for i in range(exp_len):
+            reseed(100 + i)  # added (`reseed`)
+            acq_f = lambda X: expected_improvement(model, X, best_y)  # noqa: E731
+            new_x, val = optimize_acqf(acq_f, bounds=bounds, q=1, num_restarts=10, raw_samples=20)
+            if len(new_x.shape) == 1:
+                new_x = new_x.unsqueeze(0)
+            new_y = true_f(new_x).unsqueeze(-1)
+            model = model.condition_on_observations(new_x, new_y)
+            if new_y.min().item() <= best_y:
+                best_y = new_y.min().item()
+            proposals.append(torch.cat([new_x.flatten(), new_y.flatten(), val.flatten()]))
+            mse.append(evaluate_model(model_name, model))
+        out["MSE after each step"] = torch.tensor(mse)
+        out["proposals (x, f(x), EI)"] = torch.stack(proposals)
+        out["best f(x)"] = torch.tensor(best_y)
+    return out
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+
+class CharTokenizer:
+    """Stand-in for ``GPT2Tokenizer.from_pretrained("gpt2")`` (no download): characters to ids
+    ``ord(c) % 63``, ``eos_token_id`` 63; ``tokenizer(text)`` gives ``input_ids`` and
+    ``attention_mask``."""
+
+    eos_token_id = 63
+    pad_token_id = None
+
+    def __call__(self, text):
+        ids = [ord(c) % 63 for c in text]
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+
+
+def collate_with_padding(tokenizer):
+    """Stand-in for ``DataCollatorWithPadding(tokenizer)``: right-pads ``input_ids`` with the
+    pad id and ``attention_mask`` with 0 to the longest row, renames ``label`` to ``labels``
+    and returns a ``BatchEncoding`` (a ``UserDict``, as Hugging Face's)."""
+    from transformers import BatchEncoding
+
+    def collate(rows):
+        length = max(len(r["input_ids"]) for r in rows)
+        pad = lambda v, fill: list(v) + [fill] * (length - len(v))  # noqa: E731
+        return BatchEncoding({
+            "input_ids": torch.tensor([pad(r["input_ids"], tokenizer.pad_token_id) for r in rows]),
+            "attention_mask": torch.tensor([pad(r["attention_mask"], 0) for r in rows]),
+            "labels": torch.tensor([r["label"] for r in rows]),
+        })  # fmt: skip
+
+    return collate
+
+
+def tiny_gpt2_config():
+    """Stand-in for ``GPT2Config.from_pretrained("gpt2")``: two layers, width 16."""
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=64, n_positions=64, n_embd=16, n_layer=2, n_head=2)
+
+
+def huggingface_example(lib, lora_structure="kron", lora_backend=None):
+    """``examples/huggingface_example.py`` (and the docs' "Laplace on LLMs"): a GPT-2 sequence
+    classifier behind a dict-input wrapper; last-layer Laplace (``"full"``,
+    ``feature_reduction="pick_last"``), Laplace over the grad-enabled ``score`` head
+    (``"all"``, ``"diag"``), each with ``optimize_prior_precision()``, and an unfitted LoRA
+    Laplace's prediction (the script: ``"kron"``; the docs: ``"diag"`` with ``AsdlGGN``,
+    ``lora_structure``/``lora_backend``). Pretrained GPT-2 and its tokenizer by a seeded
+    two-layer ``GPT2ForSequenceClassification`` and `CharTokenizer`; ``datasets.Dataset`` by
+    the rows it holds; `collate_with_padding`."""
+    Laplace = lib.Laplace
+    from collections import UserDict
+    from collections.abc import MutableMapping
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2ForSequenceClassification
+
+    torch.manual_seed(0)
+    np.random.seed(0)
+    tokenizer = CharTokenizer()
+    tokenizer.pad_token_id = tokenizer.eos_token_id
+    data = [
+        {"text": "Today is hot, but I will manage!!!!", "label": 1},
+        {"text": "Tomorrow is cold", "label": 0},
+        {"text": "Carpe diem", "label": 1},
+        {"text": "Tempus fugit", "label": 1},
+    ]
+    dataset = [dict(tokenizer(row["text"]), label=row["label"]) for row in data]
+    dataloader = data_utils.DataLoader(dataset, batch_size=100, collate_fn=collate_with_padding(tokenizer))
+    data = next(iter(dataloader))
+    printed = [f"Huggingface data defaults to UserDict, which is a MutableMapping? {isinstance(data, UserDict)}"]
+    for k, v in data.items():
+        printed.append(f"{k} {v.shape}")
+
+    class MyGPT2(nn.Module):
+        def __init__(self, tokenizer) -> None:
+            super().__init__()
+            config = tiny_gpt2_config()
+            config.pad_token_id = tokenizer.pad_token_id
+            config.num_labels = 2
+            torch.manual_seed(0)  # added: from_pretrained's weights are the same every time
+            self.hf_model = GPT2ForSequenceClassification(config).to(torch.get_default_dtype())
+
+        def forward(self, data: MutableMapping) -> torch.Tensor:
+            device = next(self.parameters()).device
+            input_ids = data["input_ids"].to(device)
+            attn_mask = data["attention_mask"].to(device)
+            output_dict = self.hf_model(input_ids=input_ids, attention_mask=attn_mask)
+            return output_dict.logits
+
+    out = {}
+    model = MyGPT2(tokenizer)
+    model.eval()
+    la = Laplace(model, likelihood="classification", subset_of_weights="last_layer",
+                 hessian_structure="full", feature_reduction="pick_last")  # fmt: skip
+    la.fit(dataloader)
+    la.optimize_prior_precision()
+    X_test = next(iter(dataloader))
+    pred = la(X_test)
+    printed.append(f"[Last-layer Laplace] The predictive tensor is of shape: {pred.shape}.")
+    out["last layer: prior precision"], out["last layer: la(X_test)"] = la.prior_precision.detach(), pred
+    del model, la
+
+    model = MyGPT2(tokenizer)
+    model.eval()
+    for p in model.hf_model.parameters():
+        p.requires_grad = False
+    for p in model.hf_model.score.parameters():
+        p.requires_grad = True
+    la = Laplace(model, likelihood="classification", subset_of_weights="all", hessian_structure="diag")
+    la.fit(dataloader)
+    la.optimize_prior_precision()
+    X_test = next(iter(dataloader))
+    pred = la(X_test)
+    printed.append(f"[Subnetwork Laplace] The predictive tensor is of shape: {pred.shape}.")
+    out["score head: prior precision"], out["score head: la(X_test)"] = la.prior_precision.detach(), pred
+    del model, la
+
+    def get_lora_model():
+        model = MyGPT2(tokenizer)
+        config = LoraConfig(r=4, lora_alpha=16, target_modules=["c_attn"], lora_dropout=0.1, bias="none")
+        lora_model = get_peft_model(model, config)
+        return lora_model
+
+    lora_model = get_lora_model()
+    lora_model.eval()
+    kwargs = {} if lora_backend is None else {"backend": lora_backend}
+    lora_la = Laplace(lora_model, likelihood="classification", subset_of_weights="all",
+                      hessian_structure=lora_structure, **kwargs)  # fmt: skip
+    X_test = next(iter(dataloader))
+    try:  # added: laplace-torch 0.3 refuses to predict before fit (its script stops here)
+        pred = lora_la(X_test)
+        printed.append(f"[LoRA-LLM] The predictive tensor is of shape: {pred.shape}.")
+        out["LoRA, unfitted: lora_la(X_test)"] = "predicted"
+    except Exception as error:  # noqa: BLE001
+        out["LoRA, unfitted: lora_la(X_test)"] = "refused: not fitted" if "fit" in str(error) else repr(error)
+    out["printed"] = "\n".join(printed)
+    return out
+
+
 # --------------------------------------------------------------------------- comparison
 
 
