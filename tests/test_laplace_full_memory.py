@@ -156,3 +156,20 @@ def test_an_ill_conditioned_float32_precision_is_repaired_in_float64_or_warned(m
     top = u[:, -10:].T[None]  # shape: (1, 10, K)
     got = post.functional_covariance(top.float()).double()
     assert rel(got, torch.diag(1 / e[-10:])[None]) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_feature_covariance_of_a_last_layer_from_the_factor(dtype):
+    """``C_cd = φ̃ᵀ Σ_(c,d) φ̃`` (MoLA A.2) for 3 classes of 32 features, without ``Σ``."""
+    post, prior, c = fitted(dtype)
+    cov = torch.linalg.inv(c / T + 0.7 * torch.eye(K, dtype=torch.float64))
+    rows = torch.arange(K).view(3, K // 3)
+    phi = torch.randn(5, K // 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    jac = torch.zeros(5, 3, K, dtype=torch.float64)
+    for i in range(3):
+        jac[:, i, rows[i]] = phi
+    want = torch.einsum("nok,kl,npl->nop", jac, cov, jac)
+    assert rel(post.feature_covariance(phi.to(dtype), rows), want) < TOL[dtype]
+    got = post.feature_covariance(phi.to(dtype), rows, diagonal=True)
+    assert rel(got, want.diagonal(dim1=-2, dim2=-1)) < TOL[dtype]
+    assert held(post) == {"ggn", "scale_tril"}

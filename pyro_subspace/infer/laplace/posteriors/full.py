@@ -639,7 +639,14 @@ class FullPosterior(Posterior):
     def feature_covariance(
         self, phi: torch.Tensor, rows: torch.Tensor, diagonal: bool = False
     ) -> torch.Tensor:
-        """``C_cd = φ̃ᵀ Σ_(c,d) φ̃`` (MoLA A.2) from features ``(n, P̃)``, in the buffers' dtype."""
+        """``C_cd = φ̃ᵀ Σ_(c,d) φ̃`` (MoLA A.2) from features ``(n, P̃)``, in the buffers' dtype:
+        on the dense route ``z_c · z_d`` with ``z_c = φ̃ᵀ L[rows_c]`` ``(n, K)`` (no ``Σ``), else
+        from ``Σ``'s blocks."""
+        if self.__dict__["_route"] == "dense" and "covariance_matrix" in self.__dict__["_pending"]:
+            factor = self.scale_tril
+            phi = phi.to(factor.dtype)
+            z = torch.stack([phi @ factor[r] for r in rows], 1)  # shape: (n, C, K)
+            return z.square().sum(-1) if diagonal else z @ z.mT
         cov = self.covariance_matrix
         phi = phi.to(cov.dtype)
         if diagonal:
