@@ -17,10 +17,14 @@ trained briefly at N = 1024, rank K = 20:
   BatchNorm refresh at every proposal and before every prediction: as ``scale.py`` samples),
   after ``--warmup`` draws, beside the MAP network's.
 
+``tr(QᵀGQ)`` is formed for the Lanczos (60 products) and MC-Fisher subspaces; for the K-FAC
+span it is the sum of the EK-FAC eigenvalues (``p_kᵀ G p_k`` of orthonormal columns: the same
+number, one pass fewer), and the reference counts as 100%.
+
 K-FAC timings are the best of two runs (one before ggn_eigen and one after); ggn_eigen and the
 reference Lanczos run once each (minutes). One torch thread.
 
-    python benchmarks/kfac_eigen.py                     # both CNNs, about 30 min on 2 cores
+    python benchmarks/kfac_eigen.py                     # both CNNs, about 30 min on 2 idle cores
     python benchmarks/kfac_eigen.py --quick             # width 4, N = 128, K = 5: a smoke run
 """
 
@@ -131,7 +135,14 @@ def run(width: int, n: int, rank: int, epochs: int, draws: int, warmup: int, tol
             sub, seconds, peak = ggn, t_ggn, p_ggn
         else:
             sub, seconds, peak = ref, t_ref, p_ref
-        mass = _mass(net, lik, x, sub, chunk) / top
+        if name.startswith("ggn_eigen (tol"):
+            mass = 1.0  # the reference itself
+        elif name in ("kfac_eigen (K-FAC)", "kfac_eigen (EK-FAC eigenvalues)"):
+            # one span: EK-FAC's eigenvalues are p_kᵀ G p_k of its orthonormal columns, so their
+            # sum is tr(QᵀGQ) (tests/test_kfac_eigen.py checks both facts)
+            mass = float(subs["kfac_eigen (EK-FAC eigenvalues)"].eigenvalues.double().sum()) / top
+        else:
+            mass = _mass(net, lik, x, sub, chunk) / top
         scores = (
             _bma(net, lik, scored[name], x, y, x_test, y_test, draws, warmup, chunk, seed=0)
             if name in scored
@@ -151,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=20)
     parser.add_argument("--epochs", type=int, default=10, help="SGD epochs before (MAP)")
     parser.add_argument("--draws", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--tol", type=float, default=1e-2, help="reference Lanczos residual")
     parser.add_argument("--chunk", type=int, default=128)
     args = parser.parse_args(argv)
