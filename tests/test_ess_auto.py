@@ -20,7 +20,8 @@ import pytest
 import torch
 from pyro.infer import MCMC
 
-from pyro_subspace.infer.ess import EllipticalSliceSampler, _Population, one_process
+from pyro_subspace.infer.chain_batch import Population
+from pyro_subspace.infer.ess import EllipticalSliceSampler, one_process
 
 f64 = torch.float64
 PRIOR_SD, BEND, NOISE = 3.0, 0.5, 0.1  # π(t) ∝ N(t | 0, 9 I) exp(-t0²/2 - (t1 - b t0²)²/(2 s²))
@@ -132,13 +133,13 @@ def test_two_populations_of_two_groups_each_fitted_to_the_other():
     """The layout (population-major, group 0 the first half) and the fit: a group's reference
     is the t fitted to the other group of its own population, at their states after the sweep's
     first half."""
-    from pyro_subspace.infer.ess import DF_PRIOR, FIT_MAX_ITER, FIT_STATES, FIT_TOL
+    from pyro_subspace.infer.chain_batch import DF_PRIOR, FIT_MAX_ITER, FIT_STATES, FIT_TOL
     from pyro_subspace.infer.student_t import fit_multivariate_t
 
     kern = kernel(chains=8, seed=5)
     kern.setup(0)
     batch = kern._batch
-    assert isinstance(batch, _Population)
+    assert isinstance(batch, Population)
     assert batch.population == [0, 0, 0, 0, 1, 1, 1, 1]
     assert batch.groups == [[0, 1, 4, 5], [2, 3, 6, 7]]
     before = batch.x.copy()

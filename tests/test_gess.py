@@ -239,7 +239,7 @@ def test_t_reference_log_density_matches_scipy():
 def test_pooled_refit_is_the_moments_of_all_chains_later_warmup_draws():
     """After warm-up every chain's reference is the (shrunk, inflated) mean and covariance of
     the later half of all chains' warm-up draws, computed here with torch from the trajectory."""
-    from pyro_subspace.infer import ess as gess
+    from pyro_subspace.infer import chain_batch as gess
 
     chains, warmup = 4, 60  # per chain 30 draws < 20 K = 60: only the pool allows a refit
     kern = kernel("warmup", chains=chains, seed=2)

@@ -1,62 +1,14 @@
 """Elliptical slice sampling over a Gaussian reference, as a Pyro ``MCMCKernel``.
 
-The target is ``π(t) ∝ p(t) L(t)`` with a Gaussian prior ``p``. Elliptical slice sampling
-(Murray, Adams & MacKay, 2010) moves along ellipses through the current point drawn from a
-Gaussian ``R = N(μ, Σ)``, the *reference*, and slices the rest of the density,
-``L̃ = π / R`` (Nishihara, Murray & Adams 2014, section 3; Fagan, Bhandari & Cunningham 2016,
-eq. 3). With ``R = p`` (``reference="prior"``) ``L̃ = L`` and this is Murray et al.'s plain
-kernel; a reference fitted to the posterior (a Laplace guide, SWAG moments, the warm-up draws)
-is the generalised kernel. One transition from ``t`` (Murray et al., Fig. 2, with ``L̃``)::
-
-    ν ~ N(0, Σ);  log y = log L̃(t) + log u,  u ~ U(0, 1)
-    φ ~ U[0, 2π];  [φ_min, φ_max] = [φ − 2π, φ]
-    loop:  t' = μ + (t − μ) cos φ + ν sin φ
-           if log L̃(t') > log y: accept t'
-           else shrink the bracket towards 0 at φ and draw φ ~ U[φ_min, φ_max]
-
-*Multivariate-t reference* ``R = t_df(μ, Σ)`` (Nishihara et al., Algorithm 2): first draw the
-scale ``s ~ InvGamma((df + K)/2, (df + (t − μ)ᵀΣ⁻¹(t − μ))/2)``, then the transition above with
-``ν ~ N(0, s Σ)``; ``L̃ = π / R`` does not depend on ``s``. Its heavier tails make the sampler
-robust to a reference that is too narrow. Every reference leaves ``π`` invariant; the closer
-``R`` is to ``π``, the closer a draw is to an independent one at one evaluation per draw. No step
-size to tune, no gradients: Subspace Inference (Izmailov et al., 2019, appendix F) recommends
-the kernel for the subspace posterior, with ``L`` the tempered likelihood ``p(D|t)^{1/T}`` of
-their eq. (3), summed over the full training set in chunks.
-
-The core is BlackJAX-shaped: `elliptical_slice_step` is one pure transition over a
-`SliceState` ``(position, log_likelihood)`` returning an `SliceInfo` ``(angle, shrinks)``,
-parameterised by a reference that supplies ``(μ, Σ)`` and its random stream (the `Reference`
-contract). Two references implement it:
-
-- `PriorReference`: the model's own Gaussian prior sites (any Pyro model, one chain at a time),
-  drawing from torch's global generator (reproducible with ``pyro.set_rng_seed``);
-- `ChainReference`: a Gaussian or multivariate-t ``(μ_c, Σ_c)`` per chain over ``t`` ``(K,)``,
-  chain ``c`` drawing from its own NumPy generator, so that ``C`` chains advance together, their
-  ``(B, K)`` proposals evaluated in one batched likelihood call, and equal the chains run one
-  at a time.
-
-`EllipticalSliceSampler` wraps that core in Pyro's ``MCMCKernel`` contract.
-
-Adaptation (by default only for ``reference="warmup"``, which starts as the prior): the
-reference is refitted from the later half of the warm-up draws of *all the chains advanced
-together*, pooled (Nishihara et al., section 4, fit one reference to the states of many
-parallel chains), once the pool holds ≥ 20 K draws. An elliptical slice move keeps the radius
-``|t − μ|`` correlated (even with ``R = π``, ``E[cos² φ] = 1/2``), so a chain's second moments
-have about a third of its draws as effective draws, and a covariance from ``n`` draws carries a
-sampling error of about ``(K + K(K+1)/2) / (2 n_eff)`` nats of KL divergence (``n_eff ≈ n/3``),
-e.g. 0.25 nats for ``K = 10`` from 4 chains × 100 draws. A fitted reference (Laplace, SWAG
-moments, a given Gaussian) is deterministic and is therefore kept fixed by default; refit it
-(``adapt=True``) when the fit is known to be poor. Adaptation ends with the warm-up; the draws
-after it come from a fixed kernel that leaves ``π`` invariant.
-
-*The population scheme* (``reference="auto"``; Nishihara, Murray & Adams 2014, section 4 and
-their code ``robertnishihara/gess``): the ``C`` chains form two independent populations, each of
-two groups. Each group takes ``repeats`` steps with a multivariate t fitted (`student_t`: ECME of
-Liu & Rubin 1995, a real ``ν`` under a Gamma prior) to the *other* group's current states, then the
-other group likewise, alternating, in warm-up and sampling alike: a group's kernel leaves ``π``
-invariant whatever the other group's states, so no adaptation ends and every draw counts. The
-populations never exchange states, so R-hat across them can see what two coupled groups hide
-(`_Population`; `diagnostics.check` runs after the run).
+`EllipticalSliceSampler` wraps the pure transition of `slice_step` (the algorithm, the
+multivariate-t reference, the `Reference` contract and its two implementations) in Pyro's
+``MCMCKernel`` contract. No step size to tune, no gradients: Subspace Inference (Izmailov et
+al., 2019, appendix F) recommends the kernel for the subspace posterior, with ``L`` the tempered
+likelihood ``p(D|t)^{1/T}`` of their eq. (3), summed over the full training set in chunks.
+Chains of the generalised kernel advance together in a `chain_batch.ChainBatch` (adaptation
+of a fitted reference in warm-up) or, with ``reference="auto"``, a `chain_batch.Population`
+(Nishihara, Murray & Adams's two-group scheme in two independent populations); `one_process`
+keeps Pyro's chains in one process, as those need.
 """
 
 from __future__ import annotations
@@ -66,7 +18,7 @@ import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import numpy as np
 import pyro
@@ -84,310 +36,30 @@ from .gaussian_prior import (
     gaussian_priors,
     refuse_subsampling,
 )
-from .student_t import fit_multivariate_t
+from .chain_batch import POPULATIONS, REPEATS, ChainBatch, Population
+from .slice_step import (  # the core, re-exported: the kernel's public building blocks
+    ChainReference,
+    PriorReference,
+    Reference,
+    SliceInfo,
+    SliceState,
+    elliptical_slice_step,
+)
 
 REFERENCES = ("prior", "warmup", "laplace", "auto")
 RANDOM_STREAMS = ("global", "chains")
-INFLATION, SHRINKAGE = 1.2, 0.1  # of the covariance refitted from warm-up draws
-MIN_DRAWS_PER_DIM = 20  # a refit needs at least 20 K warm-up draws in its window
-START_DISPERSION = 2.0  # chains start at draws of N(μ, 4 Σ) of a fitted reference
-POPULATIONS = 2  # reference="auto": independent populations, so that R-hat can compare them
-REPEATS = 1  # reference="auto": steps of a group between refits
-FIT_STATES = 3  # reference="auto": a t fit counts at least 3 (K + 2) states, pseudo-states included
-DF_PRIOR = (2.0, 0.1)  # reference="auto": ν's Gamma prior (Juárez & Steel 2010; mode 10, mean 20)
-# reference="auto": ECME stops at a gain below 1e-5 nats per state (a reference needs no tighter
-# fit; 1.3 ms a fit of 7 states in 5-D against 5.2 ms at 1e-7, the same ν to 3 digits)
-FIT_TOL, FIT_MAX_ITER = 1e-5, 100
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: chain j's seed is hash of (seed, j)
 
-
-# --- the core: a state, an info record and one pure transition --------------------------------
-
-
-class SliceState(NamedTuple):
-    """The state of ``B`` chains.
-
-    Attributes:
-        position: ``(B, K)`` float64 for a `ChainReference`; for a `PriorReference` (one
-            chain) a dict of the latent sites' tensors.
-        log_likelihood: ``(B,)`` float64, the log-density at ``position`` that the slice is cut
-            in once the reference's log-density is divided out: ``log L(t)`` for a
-            `PriorReference` (the reference is the target's own prior), ``log p(t) + log L(t)``
-            for a `ChainReference` (the step slices ``log L̃ = log p + log L − log R``).
-    """
-
-    position: Any
-    log_likelihood: np.ndarray
-
-
-class SliceInfo(NamedTuple):
-    """What one transition did, per chain.
-
-    Attributes:
-        angle: ``(B,)`` the accepted ``φ``, in ``(−2π, 2π)``.
-        shrinks: ``(B,)`` int, bracket shrinkages before the acceptance; the chain evaluated
-            the likelihood ``shrinks + 1`` times, a batched step made ``max(shrinks) + 1`` calls.
-    """
-
-    angle: np.ndarray
-    shrinks: np.ndarray
-
-
-class Reference(Protocol):
-    """The Gaussian reference ``R = N(μ, Σ)`` of `elliptical_slice_step` and its random stream.
-
-    Random numbers are drawn in this order per chain: the momentum, then ``(u, v)``, then one
-    uniform per shrinkage; a reference owns the generator(s) they come from. Per-chain scalars
-    and chain indices ``rows`` are Python lists (a step handles a few chains at a time).
-    """
-
-    def momentum(self, position: Any) -> Any:
-        """``ν ~ N(0, Σ)`` (``N(0, s Σ)`` after the scale draw of a t reference), like
-        ``position``."""
-
-    def slice_draws(self) -> tuple[list[float], list[float]]:
-        """``(log u, v)``, ``B`` each: the slice height's ``log u`` and the first angle's
-        ``φ / 2π``, ``u, v ~ U[0, 1)``."""
-
-    def uniforms(self, rows: list[int]) -> list[float]:
-        """``U[0, 1)`` draws for the angles of the still-open brackets of chains ``rows``."""
-
-    def log_density(self, t: Any, rows: list[int]) -> list[float] | None:
-        """``log R(t)`` of the points ``t`` of chains ``rows``, up to a constant; ``None`` when
-        ``R`` is the target's own prior (nothing to divide out: ``L̃ = L``)."""
-
-    def point(self, position: Any, momentum: Any, angle: list[float], rows: list[int]) -> Any:
-        """The points ``μ + (t − μ) cos φ + ν sin φ`` of chains ``rows``."""
-
-    def put(self, position: Any, rows: list[int], proposal: Any, accepted: list[bool]) -> Any:
-        """``position`` with the proposals whose ``accepted`` is true written to chains ``rows``
-        (``proposal`` holds one point per open bracket, ``rows`` the accepted ones' chains)."""
-
-
-def elliptical_slice_step(
-    state: SliceState,
-    reference: Reference,
-    log_likelihood: Callable[[Any, list[int]], Any],
-    max_shrinks: int = 200,
-) -> tuple[SliceState, SliceInfo]:
-    """One elliptical slice transition of ``B`` chains (Murray et al. 2010, Fig. 2, with the
-    likelihood ``L̃ = π / R`` of a reference ``R``: Nishihara et al. 2014; Fagan et al. 2016,
-    eq. 3). Pure apart from the reference's random stream.
-
-    Args:
-        state: positions and their `SliceState.log_likelihood` ``(B,)``.
-        reference: ``(μ, Σ)`` and the random stream (`PriorReference`, `ChainReference`).
-        log_likelihood: ``(points of chains rows, rows) -> (len(rows),)`` (an array or a
-            list), the same quantity as `SliceState.log_likelihood`; the still-open brackets
-            are evaluated together.
-        max_shrinks: bracket shrinkages before the step raises ``RuntimeError``.
-
-    Returns:
-        ``(state, info)``: the new positions with their log-likelihoods, and a `SliceInfo`.
-        A non-finite log-likelihood is never accepted.
-
-    Example:
-        >>> import numpy as np
-        >>> from pyro_subspace.infer.ess import ChainReference, SliceState, elliptical_slice_step
-        >>> ref = ChainReference(torch.zeros(2).double(), torch.eye(2).double(), None, [0, 1, 2])
-        >>> def log_target(t, rows):  # π = N(0, I) · N(t | 1, I)
-        ...     return -0.5 * (t**2).sum(-1) - 0.5 * ((t - 1) ** 2).sum(-1)
-        >>> x = np.zeros((3, 2))
-        >>> state, info = elliptical_slice_step(SliceState(x, log_target(x, None)), ref, log_target)
-        >>> state.position.shape, info.shrinks.shape
-        ((3, 2), (3,))
-    """
-    x, ell = state
-    size = ell.shape[0]
-    nu = reference.momentum(x)
-    log_u, v = reference.slice_draws()
-    # the bracket's bookkeeping in Python floats: the same IEEE arithmetic as float64 arrays,
-    # without NumPy's per-call overhead on a handful of chains; the points are the reference's
-    new_ell = ell.tolist()
-    log_r = reference.log_density(x, list(range(size)))
-    if log_r is not None:
-        log_y = [e - r + lu for e, r, lu in zip(new_ell, log_r, log_u)]
-    else:
-        log_y = [e + lu for e, lu in zip(new_ell, log_u)]
-    phi = [w * 2 * math.pi for w in v]
-    lo, hi = [p - 2 * math.pi for p in phi], list(phi)
-    new_x, angle, shrinks = x, [0.0] * size, [0] * size
-    active = list(range(size))
-    for n in range(max_shrinks):
-        ph = [phi[c] for c in active]
-        proposal = reference.point(x, nu, ph, active)
-        values = log_likelihood(proposal, active)
-        values = values.tolist() if isinstance(values, np.ndarray) else [float(e) for e in values]
-        log_r = reference.log_density(proposal, active)
-        if log_r is None:  # a NaN or infinite log-likelihood is never accepted
-            ok = [math.isfinite(e) and e > log_y[c] for c, e in zip(active, values)]
-        else:
-            ok = [math.isfinite(e) and e - r > log_y[c] for c, e, r in zip(active, values, log_r)]
-        if any(ok):
-            done = [c for c, a in zip(active, ok) if a]
-            new_x = reference.put(new_x, done, proposal, ok)
-            for c, e, p, a in zip(active, values, ph, ok):
-                if a:
-                    new_ell[c], angle[c], shrinks[c] = e, p, n
-            active = [c for c, a in zip(active, ok) if not a]
-            if not active:
-                info = SliceInfo(np.array(angle), np.array(shrinks, dtype=np.int64))
-                return SliceState(new_x, np.array(new_ell)), info
-        for c in active:  # shrink towards 0 at φ, redraw φ from the chain's stream
-            if phi[c] < 0:
-                lo[c] = phi[c]
-            else:
-                hi[c] = phi[c]
-        for c, r in zip(active, reference.uniforms(active)):
-            phi[c] = lo[c] + (hi[c] - lo[c]) * r
-    raise RuntimeError(
-        f"sample: no acceptable point after {max_shrinks} bracket shrinkages; the "
-        "log-likelihood is NaN or -inf around the current state"
-    )
-
-
-class PriorReference:
-    """The target's own Gaussian prior as the reference (Murray et al.'s plain kernel) over the
-    latent sites of a Pyro model, one chain (``B = 1``), drawing from torch's global generator.
-
-    Positions are dicts ``{site: tensor}`` in the sites' dtype and device; ``L̃ = L``.
-    """
-
-    def __init__(self, sites: list[GaussianSite]) -> None:
-        self.sites = sites
-        self.mean = {s.name: s.mean for s in sites}
-
-    def momentum(self, position: dict) -> dict:
-        return {s.name: s.centred_draw() for s in self.sites}
-
-    def slice_draws(self) -> tuple[list[float], list[float]]:
-        u, v = torch.rand(2).tolist()
-        return [math.log(u or 1e-300)], [v]
-
-    def uniforms(self, rows: list[int]) -> list[float]:
-        return [torch.rand(()).item()]
-
-    def log_density(self, t: dict, rows: list[int]) -> None:
-        return None  # R is the prior: nothing to divide out
-
-    def point(self, position: dict, momentum: dict, angle: list[float], rows: list[int]) -> dict:
-        c, s, mu = math.cos(angle[0]), math.sin(angle[0]), self.mean
-        return {k: mu[k] + (position[k] - mu[k]) * c + momentum[k] * s for k in position}
-
-    def put(self, position: dict, rows: list[int], proposal: dict, accepted: list[bool]) -> dict:
-        return proposal if accepted[0] else position
-
-
-class ChainReference:
-    """A Gaussian ``N(μ_c, Σ_c)`` or multivariate-t ``t_ν_c(μ_c, Σ_c)`` reference per chain over
-    ``t`` ``(K,)``, chain ``c`` drawing from its own NumPy generator.
-
-    Args:
-        mu: ``(K,)`` float64.
-        cov: ``(K, K)`` or ``(K,)`` (a diagonal) float64.
-        df: ``None`` or ``math.inf`` (Gaussian), or the degrees of freedom ``ν`` of a t
-            reference: an int draws its ``χ²_{ν+K}`` as ``ν + K`` squared normals (the stream
-            of earlier releases), a float as ``2 Gamma((ν + K)/2)``.
-        seeds: one seed per chain, ``C`` in all.
-
-    Positions are ``(C, K)`` float64 arrays; ``mu`` ``(C, K)``, ``tril`` ``(C, K, K)`` (``L_c``,
-    ``Σ_c = L_c L_cᵀ``), ``tril_inv`` and ``df`` (a list, ``C``) hold every chain's reference.
-    The arithmetic is NumPy float64 (small arrays: per-operation overhead, not flops, is its
-    cost).
-    """
-
-    def __init__(
-        self, mu: torch.Tensor, cov: torch.Tensor, df: float | None, seeds: list[int]
-    ) -> None:
-        self.k = mu.shape[-1]
-        self.gens = [np.random.default_rng(int(s)) for s in seeds]
-        size = len(seeds)
-        self.df: list[float | None] = [df] * size
-        self.mu = np.repeat(mu.cpu().numpy()[None], size, 0)
-        self.tril = np.repeat(_cholesky(cov).cpu().numpy()[None], size, 0)
-        self.tril_inv = np.linalg.inv(self.tril)
-
-    def start(self, spread: float) -> np.ndarray:
-        """``(C, K)`` draws of ``N(μ_c, spread² Σ_c)``: the chains' dispersed starts."""
-        eps = np.stack([g.standard_normal(self.k) for g in self.gens])
-        return self.mu + spread * np.einsum("cij,cj->ci", self.tril, eps)
-
-    def refit(
-        self,
-        mean: np.ndarray,
-        tril: np.ndarray,
-        rows: list[int] | None = None,
-        df: float | None | str = "keep",
-    ) -> None:
-        """The reference of chains ``rows`` (default: all) becomes ``N(mean, tril trilᵀ)``, or
-        ``t_df(mean, tril trilᵀ)`` when ``df`` is given (``"keep"``: each chain's own)."""
-        idx = slice(None) if rows is None else np.asarray(rows)
-        self.mu[idx], self.tril[idx] = mean, tril
-        self.tril_inv[idx] = np.linalg.inv(tril)
-        if df != "keep":
-            for c in range(len(self.gens)) if rows is None else rows:
-                self.df[c] = df
-
-    def momentum(self, position: np.ndarray) -> np.ndarray:
-        k, dfs = self.k, self.df
-        normals, chi2 = [], np.ones(len(self.gens))
-        for c, (g, df) in enumerate(zip(self.gens, dfs)):
-            if _gaussian(df):
-                normals.append(g.standard_normal(k))
-            elif isinstance(df, int):  # χ²_{df+K} as a sum of squared normals
-                draw = g.standard_normal(df + 2 * k)
-                chi2[c] = (draw[: df + k] ** 2).sum()
-                normals.append(draw[df + k :])
-            else:  # a real ν: χ²_{ν+K} = 2 Gamma((ν + K)/2)
-                chi2[c] = 2.0 * g.standard_gamma(0.5 * (df + k))
-                normals.append(g.standard_normal(k))
-        nu = np.einsum("cij,cj->ci", self.tril, np.stack(normals))
-        heavy = [c for c, df in enumerate(dfs) if not _gaussian(df)]
-        if heavy:  # s ~ InvGamma((ν+K)/2, (ν + δᵀΣ⁻¹δ)/2) = (ν + δᵀΣ⁻¹δ) / χ²_{ν+K}
-            z = np.einsum("cij,cj->ci", self.tril_inv, position - self.mu)
-            df = np.array([np.nan if _gaussian(d) else d for d in dfs], dtype=np.float64)
-            scale = (df + (z * z).sum(-1)) / chi2
-            nu[heavy] = nu[heavy] * np.sqrt(scale[heavy])[:, None]
-        return nu
-
-    def slice_draws(self) -> tuple[list[float], list[float]]:
-        u, v = np.stack([g.random(2) for g in self.gens]).T
-        return np.log(np.maximum(u, 1e-300)).tolist(), v.tolist()
-
-    def uniforms(self, rows: list[int]) -> list[float]:
-        return [self.gens[c].random() for c in rows]
-
-    def log_density(self, t: np.ndarray, rows: list[int]) -> list[float]:
-        return self._log_density(t, np.asarray(rows)).tolist()
-
-    def _log_density(self, t: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """``log R(t)`` ``(B,)`` up to a constant for points ``t`` ``(B, K)`` of chains ``rows``."""
-        z = np.einsum("bij,bj->bi", self.tril_inv[rows], t - self.mu[rows])
-        maha = (z * z).sum(-1)
-        dfs = [self.df[c] for c in rows.tolist()]
-        if all(_gaussian(d) for d in dfs):
-            return -0.5 * maha
-        gauss = np.array([_gaussian(d) for d in dfs])
-        df = np.array([1.0 if _gaussian(d) else d for d in dfs], dtype=np.float64)
-        return np.where(gauss, -0.5 * maha, -0.5 * (df + self.k) * np.log1p(maha / df))
-
-    def point(
-        self, position: np.ndarray, momentum: np.ndarray, angle: list[float], rows: list[int]
-    ) -> np.ndarray:
-        rows, angle = np.asarray(rows), np.asarray(angle)
-        mu = self.mu[rows]
-        return (
-            mu
-            + (position[rows] - mu) * np.cos(angle)[:, None]
-            + momentum[rows] * np.sin(angle)[:, None]
-        )
-
-    def put(
-        self, position: np.ndarray, rows: list[int], proposal: np.ndarray, accepted: list[bool]
-    ) -> np.ndarray:
-        position = position.copy()
-        position[np.asarray(rows)] = proposal[np.asarray(accepted)]
-        return position
+__all__ = [
+    "ChainReference",
+    "EllipticalSliceSampler",
+    "PriorReference",
+    "Reference",
+    "SliceInfo",
+    "SliceState",
+    "elliptical_slice_step",
+    "one_process",
+]
 
 
 # --- the Pyro kernel -------------------------------------------------------------------------
@@ -453,7 +125,7 @@ class EllipticalSliceSampler(MCMCKernel):
             fitted `AutoSubspaceLaplace`, a ``Normal``/``MultivariateNormal`` over ``t``, or a
             pair ``(μ (K,), Σ (K, K) or (K,))``, e.g. SWAG moments mapped into the subspace;
             or ``"auto"``, the recommended one at any temperature: Nishihara et al.'s population
-            scheme (module notes, `_Population`) over ``chains=C`` chains in two independent
+            scheme (`chain_batch.Population`) over ``chains=C`` chains in two independent
             populations of two groups (``C`` a multiple of 4; ``4 (K + 2)`` recommended), each
             group's multivariate t fitted to the other group's current states after every
             group update, chains starting at draws of the Laplace fit (a `SubspaceNet`) or of
@@ -634,7 +306,7 @@ class EllipticalSliceSampler(MCMCKernel):
         self._prior = prior if rng == "chains" else None
         self._pid = os.getpid()
         self._chain_count = 0  # chains started by this kernel: the index of the next one
-        self._batch: _Batch | None = None
+        self._batch: ChainBatch | None = None
         self._laplace_key: tuple | None = None
         self._laplace: tuple | None = None
         self._restore: Callable[[], None] | None = None
@@ -823,7 +495,7 @@ class EllipticalSliceSampler(MCMCKernel):
             diag["passes per draw"] = b.passes / max(b.steps, 1)
             kept = slice(b.warmup + 1, self._step + 1)  # the chain's draws after warm-up
             diag["draw evaluations"] = np.array([e[self._chain] for e in b.step_evals[kept]])
-            if isinstance(b, _Population):  # the ν of the chain's t at every refit, per draw
+            if isinstance(b, Population):  # the ν of the chain's t at every refit, per draw
                 diag["reference df"] = b.reference_df(self._chain)
                 diag["draw reference df"] = np.array([d[self._chain] for d in b.step_df[kept]])
         else:
@@ -839,7 +511,7 @@ class EllipticalSliceSampler(MCMCKernel):
             self._restore = None
         b = self._batch
         if b is not None and b.opened >= b.size:
-            if isinstance(b, _Population) and not b.checked and self._step > b.warmup:
+            if isinstance(b, Population) and not b.checked and self._step > b.warmup:
                 b.checked = True  # Pyro's driver calls cleanup twice per chain
                 draws = torch.stack(b.states[b.warmup + 1 : self._step + 1], 1)  # (C, n, K)
                 self.convergence = check_draws(
@@ -856,7 +528,7 @@ class EllipticalSliceSampler(MCMCKernel):
         of one population are coupled through their references, populations independent), for
         `diagnostics.check`; else ``None``."""
         b = self._batch
-        return list(b.population) if isinstance(b, _Population) else None
+        return list(b.population) if isinstance(b, Population) else None
 
     @property
     def evaluations_per_draw(self) -> float:
@@ -1000,7 +672,7 @@ class EllipticalSliceSampler(MCMCKernel):
             else:
                 seeds = torch.randint(0, 2**62, (size,)).tolist()
             loglik = self._batched(fn)
-            kind = _Population if self.reference == "auto" else _Batch
+            kind = Population if self.reference == "auto" else ChainBatch
             self._batch = batch = kind(
                 self, prior, loglik, mu, cov, seeds, warmup_steps, start, args, kwargs
             )
@@ -1062,274 +734,6 @@ class EllipticalSliceSampler(MCMCKernel):
         return gaussian_moments(ref)
 
 
-class _Batch:
-    """``C`` chains advanced together by `elliptical_slice_step`: states ``(C, K)`` per step
-    (the trajectory the driver replays), a `ChainReference` and the adaptation schedule. The
-    sampler's arithmetic is float64 NumPy; only the log-likelihood runs in torch, on the
-    model's dtype and device."""
-
-    def __init__(self, kernel, prior, loglik, mu, cov, seeds, warmup, start, args, kwargs):
-        self.kernel, self.loglik, self.warmup = kernel, loglik, warmup
-        self.fn: Callable | None = None  # the likelihood of one point {"t": t}
-        self.args, self.kwargs = args, kwargs
-        self.size, self.opened, self.passes, self.steps = len(seeds), 0, 0, 0
-        self.model_dtype, self.model_device = prior.mean.dtype, prior.mean.device
-        k = mu.shape[-1]
-        if prior.event_shape != (k,):
-            raise ValueError(
-                f"reference: has K={k} coordinates, the prior's event shape is "
-                f"{tuple(prior.event_shape)}"
-            )
-        self.k = k
-        prior_mu, prior_cov = gaussian_moments(prior)
-        self.prior_mu = prior_mu.cpu().numpy()
-        self.prior_inv = np.linalg.inv(_cholesky(prior_cov).cpu().numpy())  # L₀⁻¹
-        self.evals = np.zeros(self.size, dtype=np.int64)
-        #: ``(C,)`` per step of the trajectory: each chain's likelihood evaluations in the
-        #: transition that reached it (step 0, the start: zeros)
-        self.step_evals = [np.zeros(self.size, dtype=np.int64)]
-        self.reference = ChainReference(mu, cov, kernel.df, seeds)
-        self.info: SliceInfo | None = None
-        if start is None:  # a draw from the reference (the prior for "warmup"/"prior"),
-            # a fitted one widened: dispersed starts, so that R-hat can detect unmixed chains
-            ref = kernel.reference
-            fitted = not isinstance(ref, str) or ref == "laplace"
-            fitted = fitted or (ref == "auto" and kernel.model is not None)  # at the Laplace fit
-            # "auto" starts at draws of the Laplace fit itself: its population refits from the
-            # states, and a start far out at T = 1 can seed a chain in a minor mode it never
-            # leaves (toy K = 10: a mode 7 nats below the main one, held by 1 chain of 48)
-            spread = 1.0 if ref == "auto" else START_DISPERSION
-            x = self.reference.start(spread if fitted else 1.0)
-        else:
-            x = np.broadcast_to(start.cpu().numpy().reshape(-1, k), (self.size, k)).copy()
-        self.lp = self._log_target(x)
-        if not np.isfinite(self.lp).all():
-            raise ValueError(
-                "initial_params: the log-density at the start is not finite; check the data, "
-                "the network's outputs and the reference"
-            )
-        self.x = x
-        self.states = [torch.from_numpy(x).to(self.model_device, self.model_dtype)]
-        plain = isinstance(kernel.reference, str) and kernel.reference == "prior"
-        adapt = kernel.adapt and not plain
-        self.schedule = _adapt_schedule(warmup) if adapt else []
-
-    @property
-    def mu(self) -> np.ndarray:
-        """``(C, K)``: every chain's reference mean."""
-        return self.reference.mu
-
-    @property
-    def tril(self) -> np.ndarray:
-        """``(C, K, K)``: every chain's reference Cholesky factor ``L_c``."""
-        return self.reference.tril
-
-    def _log_reference(self, t: np.ndarray, idx: np.ndarray) -> np.ndarray:
-        return self.reference._log_density(t, idx)
-
-    def _log_target(self, t: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
-        """``log p(t) + log L(t)`` ``(B,)`` (up to a constant) for ``t`` ``(B, K)``."""
-        z = (t - self.prior_mu) @ self.prior_inv.T
-        loglik = self.loglik(torch.from_numpy(t).to(self.model_device, self.model_dtype))
-        return -0.5 * (z * z).sum(-1) + loglik.detach().double().cpu().numpy()
-
-    def move(self, step: int, chain: int, t: torch.Tensor) -> None:
-        """Put chain ``chain`` at ``t`` ``(K,)`` at ``step``, which must be the batch's latest
-        (no chain has gone past it), and compute its log-density there: a position that a
-        direct caller of ``sample`` gives instead of the chain's state."""
-        if len(self.states) != step + 1:
-            raise ValueError(
-                f"params: chain {chain} of {self.size} chains advanced together is at step "
-                f"{step}, which the batch has gone past (its later steps are computed and "
-                "replayed); only a chain at the batch's latest step can be given another "
-                "position, e.g. with chains=None, where every chain is its own batch"
-            )
-        row = t.detach().double().cpu().numpy().reshape(1, self.k)
-        lp = self._log_target(row)
-        if np.isnan(lp).any():
-            raise ValueError("params: the log-density at the given position is NaN")
-        self.evals[chain] += 1
-        self.step_evals[step] = self.step_evals[step].copy()
-        self.step_evals[step][chain] += 1
-        self.passes += 1
-        x, lps = self.x.copy(), self.lp.copy()
-        x[chain], lps[chain] = row[0], lp[0]
-        self.x, self.lp = x, lps
-        states = self.states[step].clone()  # the tensors returned before stay as they were
-        states[chain] = t.detach().to(states)
-        self.states[step] = states
-
-    def advance(self) -> None:
-        """One transition of every chain (Nishihara et al. 2014, Alg. 2; Murray et al. 2010)."""
-        state, info = elliptical_slice_step(
-            SliceState(self.x, self.lp), self.reference, self._log_target, self.kernel.max_shrinks
-        )
-        self.passes += int(info.shrinks.max()) + 1
-        self.evals += info.shrinks + 1
-        self.step_evals.append(info.shrinks + 1)
-        self.x, self.lp, self.info = state.position, state.log_likelihood, info
-        self.states.append(torch.from_numpy(self.x).to(self.model_device, self.model_dtype))
-        self.steps = step = len(self.states) - 1
-        if self.schedule and step == self.schedule[0]:
-            self.schedule.pop(0)
-            self._refit(step)
-
-    def free(self) -> None:
-        """Drop the trajectory and its per-step statistics (the batch is finished)."""
-        self.states, self.step_evals = self.states[:1], self.step_evals[:1]
-
-    def _refit(self, step: int) -> None:
-        """``(μ, Σ)`` of every chain from the later half of all chains' warm-up draws so far,
-        pooled (Nishihara et al. 2014, section 4: one reference from many parallel chains)."""
-        draws = np.stack([s.double().cpu().numpy() for s in self.states[step // 2 + 1 : step + 1]])
-        pooled = draws.reshape(-1, self.k)  # (n C, K)
-        n = pooled.shape[0]
-        if n < MIN_DRAWS_PER_DIM * self.k:  # a covariance from fewer draws is worse than none
-            return
-        mean = pooled.mean(0)
-        cov = np.cov(pooled, rowvar=False).reshape(self.k, self.k)
-        # a little shrinkage towards the diagonal, and an inflation: a reference a bit wider
-        # than the posterior keeps L̃ bounded in the tails
-        cov = INFLATION * ((1 - SHRINKAGE) * cov + SHRINKAGE * np.diag(np.diag(cov)))
-        try:
-            tril = _cholesky(torch.from_numpy(cov)).cpu().numpy()
-        except ValueError:
-            return  # a degenerate window (e.g. stuck chains): keep the old reference
-        self.reference.refit(mean, tril)
-
-
-class _Population(_Batch):
-    """``reference="auto"``: Nishihara, Murray & Adams's (2014) two-group scheme over ``C``
-    chains, in `POPULATIONS` independent populations.
-
-    Chain ``c`` belongs to population ``c // (C/P)`` and, within it, to group 0 (its first half)
-    or group 1. One `advance` is a sweep: for each population, a multivariate t is fitted to
-    group 1's *current* states (`student_t.fit_multivariate_t`, ECME); group 0 then takes
-    ``repeats`` scale-mixture elliptical slice steps with it (`ChainReference`, ``L̃ = π / t``);
-    then group 1 likewise with the t of group 0's new states. The fit: ``ν`` is the mode under
-    a ``Gamma(2, 0.1)`` prior (`DF_PRIOR`; the kernel's ``df`` fixes it instead), since a group
-    of ``K + 2`` states shows no tails and its maximum-likelihood ``ν`` is mostly ``∞``; the
-    fit counts at least ``3 (K + 2)`` states (`FIT_STATES`), the missing ones pseudo-states
-    with the Laplace fit's mean and covariance (``model=None``: the prior's covariance, and no
-    location, since the prior's mean is no estimate of the posterior's), since a location and
-    a scale
-    from ``K + 2`` states are noisy (a KL divergence of about ``K / (2 (K + 2))`` nats from the
-    location alone). Measured on the toy problem at K = 5, 28 chains (bulk effective draws
-    per draw, 300-400 draws per chain): at T = 1, ν = 5 with an unshrunk scale 0.21, the
-    scale shrunk as above 0.40; ν fitted under the prior 0.35, by maximum likelihood 0.28
-    (``∞`` in 94 % of the fits, the scale shrunk to 5 (K + 2) states); location shrunk too
-    0.50 (1.62 likelihood evaluations a draw against 2.06). At T = N/K, K = 10, 48 chains:
-    0.34 with the scale shrunk, 0.65 with the location shrunk too (1.73 evaluations a draw
-    against 2.28).
-
-    Each group's kernel leaves ``π`` invariant for every fixed state of the other group (the
-    fit is a deterministic function of those states: ECME starts from their mean and
-    covariance, never from an earlier fit), so the population's product target
-    ``π(x₁) π(x₂)`` is invariant and every chain's marginal is ``π``; refitting therefore goes
-    on through warm-up and sampling. The groups of all populations advance together in one
-    batched likelihood call per shrink round (``C/2`` chains). A sweep appends
-    ``repeats`` steps to the trajectory: step ``j`` holds each group's ``j``-th new state.
-    """
-
-    def __init__(self, kernel, prior, loglik, mu, cov, seeds, warmup, start, args, kwargs):
-        super().__init__(kernel, prior, loglik, mu, cov, seeds, warmup, start, args, kwargs)
-        per = self.size // POPULATIONS
-        self.population = [c // per for c in range(self.size)]
-        self.groups = [
-            [c for c in range(self.size) if (c % per) // (per // 2) == g] for g in (0, 1)
-        ]
-        self.refs = []
-        for rows in self.groups:  # the chains' own generators (the start drew from them)
-            ref = ChainReference(mu, cov, kernel.df, [0] * len(rows))
-            ref.gens = [self.reference.gens[c] for c in rows]
-            self.refs.append(ref)
-        tril = _cholesky(cov).cpu().numpy()
-        self.fallback = tril @ tril.T  # the Laplace (or prior) covariance
-        # pseudo-states at the Laplace fit's mean too; the prior's mean (model=None) is no
-        # estimate of where the posterior is (a banana's arms mixed worse pulled to it)
-        laplace = kernel.model is not None
-        self.fallback_loc = mu.double().cpu().numpy() if laplace else None
-        #: ``(step, population, group, ν)`` of every fit: the reference each group used from
-        #: ``step`` on
-        self.fits: list[tuple[int, int, int, float]] = []
-        #: ``(C,)`` per step: the ``ν`` of the t reference each chain's transition used
-        self.step_df = [np.full(self.size, np.nan)]
-        self.checked = False  # diagnostics.check ran at the end of the run
-
-    @property
-    def mu(self) -> np.ndarray:
-        out = np.empty((self.size, self.k))
-        for rows, ref in zip(self.groups, self.refs):
-            out[rows] = ref.mu
-        return out
-
-    @property
-    def tril(self) -> np.ndarray:
-        out = np.empty((self.size, self.k, self.k))
-        for rows, ref in zip(self.groups, self.refs):
-            out[rows] = ref.tril
-        return out
-
-    def free(self) -> None:
-        super().free()
-        self.step_df = self.step_df[:1]
-
-    def reference_df(self, chain: int) -> np.ndarray:
-        """The ``ν`` of chain ``chain``'s reference at each of its group's updates."""
-        population, group = self.population[chain], int(chain not in self.groups[0])
-        return np.array([f[3] for f in self.fits if f[1:3] == (population, group)])
-
-    def _fit(self, group: int) -> None:
-        """Group ``group``'s t, per population, from the other group's current states."""
-        mine, theirs = self.groups[group], self.groups[1 - group]
-        for p in range(POPULATIONS):
-            rows = [i for i, c in enumerate(mine) if self.population[c] == p]
-            other = [c for c in theirs if self.population[c] == p]
-            fit = fit_multivariate_t(
-                self.x[other],
-                df=self.kernel.df,
-                fallback=self.fallback,
-                fallback_loc=self.fallback_loc,
-                min_states=FIT_STATES * (self.k + 2),
-                df_prior=DF_PRIOR,
-                tol=FIT_TOL,
-                max_iter=FIT_MAX_ITER,
-            )
-            df = self.kernel.df if isinstance(self.kernel.df, int) else fit.df
-            self.refs[group].refit(fit.loc, np.linalg.cholesky(fit.scale), rows=rows, df=df)
-            self.fits.append((len(self.states) - 1, p, group, float(fit.df)))
-
-    def advance(self) -> None:
-        """One sweep: each group ``repeats`` steps with the t of the other group's states."""
-        repeats = self.kernel.repeats
-        x, lp = self.x.copy(), self.lp.copy()
-        new = np.repeat(x[None], repeats, 0)  # (repeats, C, K): the sweep's trajectory
-        evals = np.zeros((repeats, self.size), dtype=np.int64)
-        dfs = np.full((repeats, self.size), np.nan)
-        angle, shrinks = np.zeros(self.size), np.zeros(self.size, dtype=np.int64)
-        for group, rows in enumerate(self.groups):
-            self.x = x
-            self._fit(group)
-            dfs[:, rows] = [math.inf if _gaussian(v) else v for v in self.refs[group].df]
-            state = SliceState(x[rows], lp[rows])
-            for j in range(repeats):
-                state, info = elliptical_slice_step(
-                    state, self.refs[group], self._log_target, self.kernel.max_shrinks
-                )
-                self.passes += int(info.shrinks.max()) + 1
-                self.evals[rows] += info.shrinks + 1
-                evals[j, rows] = info.shrinks + 1
-                new[j, rows] = state.position
-            x[rows], lp[rows] = state.position, state.log_likelihood
-            angle[rows], shrinks[rows] = info.angle, info.shrinks
-        self.x, self.lp, self.info = x, lp, SliceInfo(angle, shrinks)
-        for j in range(repeats):
-            self.states.append(torch.from_numpy(new[j]).to(self.model_device, self.model_dtype))
-            self.step_evals.append(evals[j])
-            self.step_df.append(dfs[j])
-        self.steps = len(self.states) - 1
-
-
 def one_process(mcmc: Any) -> Any:
     """Make Pyro's ``MCMC`` run its chains in this process, one after another.
 
@@ -1380,30 +784,3 @@ def _version(t: torch.Tensor) -> int | None:
 def _same(a: tuple, b: tuple) -> bool:
     """The same call arguments, by identity (a new ``MCMC.run`` on other data starts a batch)."""
     return len(a) == len(b) and all(u is v for u, v in zip(a, b))
-
-
-def _adapt_schedule(warmup: int) -> list[int]:
-    steps, n = [], 25
-    while n < warmup:
-        steps.append(n)
-        n *= 2
-    if warmup >= 25:
-        steps.append(warmup)
-    return sorted(set(steps))
-
-
-def _gaussian(df: float | None) -> bool:
-    """Whether degrees of freedom ``df`` mean a Gaussian (``None`` or ``∞``)."""
-    return df is None or math.isinf(df)
-
-
-def _cholesky(cov: torch.Tensor) -> torch.Tensor:
-    cov = cov.double()
-    if cov.dim() == 1:
-        cov = torch.diag(cov)
-    jitter = 1e-12 * float(cov.diagonal().abs().mean())
-    eye = torch.eye(cov.shape[0], dtype=cov.dtype, device=cov.device)
-    factor, info = torch.linalg.cholesky_ex(cov + jitter * eye)
-    if int(info) != 0 or not bool(torch.isfinite(factor).all()):
-        raise ValueError("reference: the covariance is not positive definite")
-    return factor
