@@ -1021,6 +1021,32 @@ class NetLaplace(nn.Module):
         self.guide._check_fitted()
         return self.guide.posterior.marginal_variance()
 
+    def functional_variance(self, Js: torch.Tensor) -> torch.Tensor:
+        """laplace-torch's ``functional_variance``: ``J Σ Jᵀ`` ``(N, O, O)`` float64 for
+        Jacobians ``Js`` ``(N, O, K)`` in the subset's coordinates (the last layer's weights
+        then its bias for ``"last_layer"``, all trainable weights for ``"all"``, laplace-torch's
+        order); for ``hessian_structure="gp"`` the GP's posterior covariance
+        ``K** − K*M (K_MM + Λ⁻¹)⁻¹ K_M*`` (`posteriors.FunctionalPosterior`)."""
+        self.guide._check_fitted()
+        js = self._jacobian_argument(Js)
+        return self.guide.posterior.functional_covariance(js).double()
+
+    def functional_covariance(self, Js: torch.Tensor) -> torch.Tensor:
+        """laplace-torch's ``functional_covariance``: the joint ``J Σ Jᵀ`` ``(N·O, N·O)``
+        float64 over all rows of ``Js`` ``(N, O, K)`` (or ``(N·O, K)``)."""
+        self.guide._check_fitted()
+        js = self._jacobian_argument(Js, joint=True)
+        return self.guide.posterior.functional_covariance(js.reshape(1, -1, js.shape[-1]))[0].double()
+
+    def _jacobian_argument(self, Js: object, joint: bool = False) -> torch.Tensor:
+        k = self.model.rank
+        shapes = "(N, O, K) or (N·O, K)" if joint else "(N, O, K)"
+        if not isinstance(Js, torch.Tensor) or not Js.is_floating_point():
+            raise TypeError(f"Js: expected a float tensor {shapes}, got {type(Js).__name__}")
+        if Js.shape[-1] != k or Js.dim() not in ((2, 3) if joint else (3,)):
+            raise ValueError(f"Js: expected {shapes} with K = {k}, got shape {tuple(Js.shape)}")
+        return Js.detach().clone()  # a posterior may overwrite its argument (BLAS trmm)
+
     # ------------------------------------------------------------------ persistence
 
     def state_dict(self, *args: object, **kwargs: object):

@@ -299,15 +299,42 @@ class FunctionalPosterior(Posterior):
         return PriorPrecision(prior.diagonal() * factor, None, prior.dim)
 
     def set_prior(self, prior: PriorPrecision) -> None:
-        """Factorise ``W K_MM W + T I`` ``(R, R)`` for ``S = Λ₀'⁻¹``."""
+        """Factorise ``W K_MM W + T I`` ``(R, R)`` for ``S = Λ₀'⁻¹`` (``Λ₀'`` the
+        `effective_prior` of the model's ``prior``)."""
         self._check_fitted()
         eff = self.effective_prior(PriorPrecision(prior.lam.detach(), prior.gram, prior.dim))
-        s = (1.0 / eff.diagonal()).to(self.jac)
+        self.prior_variance, self.factor = self._kernel_factor(eff)
+
+    def _kernel_factor(self, eff: PriorPrecision) -> tuple[torch.Tensor, torch.Tensor]:
+        """``S`` ``(K,)`` and ``chol(W K_MM W + T I)`` ``(R, R)`` for the effective prior
+        ``eff``."""
+        s = (1.0 / eff.diagonal().detach()).to(self.jac)
         a = self.jac * self.hess.sqrt()[:, None]  # W J_M
         c = self._masked((a * s) @ a.T)
         c.diagonal().add_(float(self.temperature))
-        self.prior_variance = s
-        self.factor = cholesky((c + c.T) / 2, "GP kernel W K_MM W + T I")
+        return s, cholesky((c + c.T) / 2, "GP kernel W K_MM W + T I")
+
+    def functional_covariance_on_grid(self, blocks, prior_at, rows=None):
+        """``λ ↦ K** − K*M (K_MM + T Λ⁻¹)⁻¹ K_M*`` ``(N, O, O)`` for the effective priors
+        ``prior_at(λ)`` (`tuning.grid_covariances` passes `effective_prior`'s: not scaled by
+        ``N/M`` twice): one ``(R, R)`` factorisation per ``λ``, ``J_M`` shared."""
+        jp = []
+        for b in blocks:
+            b = b.double()
+            if rows is not None:  # features: J[n, c, rows[c, p]] = φ̃[n, p]
+                j = b.new_zeros(b.shape[0], rows.shape[0], self.dim)
+                for i in range(rows.shape[0]):
+                    j[:, i, rows[i]] = b
+                b = j
+            jp.append(b)
+        jp = torch.cat(jp)
+
+        def f_cov(lam: torch.Tensor) -> torch.Tensor:
+            s, factor = self._kernel_factor(prior_at(torch.as_tensor(lam, dtype=torch.float64)))
+            kss, v = self._cross(jp, s, factor)
+            return kss - torch.bmm(v, v.mT)
+
+        return f_cov
 
     # ------------------------------------------------------------------ kernels
 
@@ -340,14 +367,17 @@ class FunctionalPosterior(Posterior):
         k = self._masked((self.jac * s) @ self.jac.T)
         return (k + k.T) / 2
 
-    def _cross(self, jp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cross(self, jp: torch.Tensor, s=None, factor=None) -> tuple[torch.Tensor, torch.Tensor]:
         """For ``J*`` ``(n, P, K)``: ``K**`` ``(n, P, P)`` and ``V = L⁻¹ W K_M*`` as ``(n, P, R)``,
-        so that the predictive covariance is ``K** − V Vᵀ``."""
-        if self.prior_variance.numel() == 0:
-            raise RuntimeError("FunctionalPosterior: call set_prior first")
+        so that the predictive covariance is ``K** − V Vᵀ`` (at the prior of `set_prior`, or
+        at ``S = s``, ``L = factor``)."""
+        if s is None:
+            if self.prior_variance.numel() == 0:
+                raise RuntimeError("FunctionalPosterior: call set_prior first")
+            s, factor = self.prior_variance, self.factor
         n, p, k = jp.shape
         jp = jp.to(self.jac)
-        js = jp * self.prior_variance
+        js = jp * s
         kss = torch.bmm(js, jp.mT)
         ksm = js.reshape(n * p, k) @ self.jac.T  # shape: (n·P, R)
         if self.independent_outputs:
@@ -357,7 +387,7 @@ class FunctionalPosterior(Posterior):
             same = self._output_of_rows(p)
             kss = kss * (same[:, None] == same[None, :])
         wk = ksm * self.hess.sqrt()  # (K*M W)
-        v = torch.linalg.solve_triangular(self.factor, wk.T, upper=False)  # (R, n·P)
+        v = torch.linalg.solve_triangular(factor, wk.T, upper=False)  # (R, n·P)
         return kss, v.T.reshape(n, p, -1)
 
     # ------------------------------------------------------------------ the evidence
