@@ -7,7 +7,8 @@ The work, with ``N·C ≥ K`` GGN rows (the GGN is formed; no Woodbury shortcut)
 1. fit: ``PᵀGP`` from ``r`` random Jacobian rows (seeded) through the library's accumulation
    (`gram.gram_from_blocks`, as `Evaluator.ggn` calls it) and ``Σ`` for one ``λ`` (`set_prior`);
 2. evidence: ``log|PᵀGP/T + λI|`` at that ``λ`` (`log_det`);
-3. GLM predictive: ``J Σ Jᵀ`` for ``m`` rows of ``J`` (`functional_covariance`, blocks of 1,000);
+3. GLM predictive: ``J Σ Jᵀ`` for ``m`` rows of ``J`` (`functional_covariance`, in blocks of
+   ``10⁶`` numbers, the library's `jacobians.INDEX_JACOBIAN_NUMBERS`);
 4. evidence for ``"marglik"`` (``--marglik``): ``log_det`` at another ``λ`` (the GGN's
    eigenvalues, both codes).
 
@@ -87,7 +88,11 @@ class RowsEvaluator:
     temperature = 1.0
 
     def __init__(self, k: int, r: int, dtype, lowrank: int = 0) -> None:
+        from types import SimpleNamespace
+
         gen = torch.Generator().manual_seed(0)
+        # in-memory data of r points (one row each), as `Evaluator.data` says
+        self.data = SimpleNamespace(loader=None, sharded=False, local_num_data=r)
         self.k, self.dtype, self.lowrank = k, dtype, lowrank
         if lowrank:
             self.b = torch.randn(k, lowrank, generator=gen, dtype=dtype) / lowrank**0.5
@@ -121,7 +126,9 @@ def run_one(commit, k, r, m, dtype_name, marglik, lowrank, out) -> None:
     cls = load_full(commit)
     ev = RowsEvaluator(k, r, dtype, lowrank)
     gen = torch.Generator().manual_seed(1)
-    jac = [torch.randn(100, 10, k, generator=gen, dtype=dtype) for _ in range(0, m, 1000)]
+    # J in the library's blocks (`jacobians.INDEX_JACOBIAN_NUMBERS` numbers: 10^6 / (10 K) points)
+    n = max(1, 1_000_000 // (10 * k))
+    jac = [torch.randn(min(n, m // 10 - s), 10, k, generator=gen, dtype=dtype) for s in range(0, m // 10, n)]
     with blas_threads():
         pass  # threadpoolctl's first use allocates: before the baseline
     t = torch.zeros(k, dtype=torch.float64)

@@ -173,3 +173,17 @@ def test_feature_covariance_of_a_last_layer_from_the_factor(dtype):
     got = post.feature_covariance(phi.to(dtype), rows, diagonal=True)
     assert rel(got, want.diagonal(dim1=-2, dim2=-1)) < TOL[dtype]
     assert held(post) == {"ggn", "scale_tril"}
+
+
+def test_root_rows_hold_nothing_when_the_points_will_exceed_the_limit():
+    """`RootRows.points`: ``N·C`` rows known to exceed the limit from the first block, so none
+    is held back (``2K/3`` held rows would be ``2/3`` of a ``(K, K)`` matrix at the peak)."""
+    from pyro_subspace.curvature.gram import RootRows
+
+    blocks = [(None, torch.ones(2, 3, 5)) for _ in range(3)]  # 3 blocks of 2 points x 3 rows
+    over = RootRows(17, points=6)  # 18 rows > 17
+    passed = list(over.tap(iter(blocks)))
+    assert over.parts is None and len(passed) == 3 and all(p[1] is b[1] for p, b in zip(passed, blocks))
+    under = RootRows(18, points=6)  # 18 rows, at the limit: every block held
+    assert list(under.tap(iter(blocks))) == [] and under.kept
+    assert torch.equal(under.matrix(), torch.ones(18, 5))

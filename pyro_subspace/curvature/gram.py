@@ -33,14 +33,21 @@ class RootRows:
     asked for, from ``parts``); past ``limit`` it hands over those held and every later block,
     and keeps nothing (``matrix()`` is ``None``)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, points: int | None = None) -> None:
         self.limit, self.count = limit, 0
+        #: the number of points the blocks will cover, where known: once the first block shows
+        #: ``C`` rows a point, more than ``limit`` rows in all are held back from the start
+        #: (holding ``2K/3`` rows to find out would cost ``2/3`` of a ``(K, K)`` matrix)
+        self.points = points
         self.parts: list[torch.Tensor] | None = []  # blocks (n, C, K), copied
         self._matrix: torch.Tensor | None = None
 
     def tap(self, blocks: Iterator[tuple[torch.Tensor, torch.Tensor]]):
         """``blocks`` ``(outputs, A (n, C, K))`` past ``limit`` rows; none before."""
         for out, a in blocks:
+            if self.parts is not None and not self.parts and self.points is not None:
+                if self.points * a.shape[1] > self.limit:  # the rows will not fit: hold none
+                    self.parts = None
             if self.parts is not None:
                 self.count += a.shape[0] * a.shape[1]
                 if self.count <= self.limit:
