@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...linalg import blas_module, blas_threads
 from .layers import _Layer
 
 #: Numbers in one sub-block of unfolded convolution patches ``(rows, in·kh·kw, R)``.
@@ -141,25 +142,46 @@ def _ones_column(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows, rows.new_ones(rows.shape[0], 1)], 1)
 
 
-def _grad_gram(lay: _Layer, g: torch.Tensor, conv: str) -> torch.Tensor:
-    """``Σ gᵀg`` ``(out, out)`` of one back-propagated column at a layer's output: over data
-    points and locations (``"expand"``) or of the sums over the locations (``"reduce"``,
-    ``"backpack"``). A convolution's ``(n, out, R)`` is multiplied as ``(n·R, out)`` rows when it
-    is channels-last (a view), else per data point where ``R ≥ out`` (no transposed copy), else
-    as rows."""
+def _grad_gram(lay: _Layer, g: torch.Tensor, conv: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out + Σ gᵀg`` ``(out, out)`` of one back-propagated column at a layer's output (``out``
+    ``None``: a new sum): over data points and locations (``"expand"``) or of the sums over the
+    locations (``"reduce"``, ``"backpack"``). A convolution's ``(n, out, R)`` is multiplied as
+    ``(n·R, out)`` rows when it is channels-last (a view), else per data point where ``R ≥ out``
+    (no transposed copy), else as rows. Products of rows may fill only the lower triangle
+    (`_add_rows_gram_`): call ``symmetrize_(sum, upper=False)`` once the columns are in."""
     if lay.conv:
         if conv == "expand" and g.dim() == 4 and g.is_contiguous(memory_format=torch.channels_last):
             # channels last (`CHANNELS_LAST_ON_CPU`): the (n·R, out) rows are a view, one product
-            return _rows_gram(g.permute(0, 2, 3, 1).reshape(-1, g.shape[1]))
+            return _add_rows_gram_(out, g.permute(0, 2, 3, 1).reshape(-1, g.shape[1]))
         g = g.flatten(2)  # shape: (n, out, R)
         if conv != "expand":
-            return _rows_gram(g.sum(2))
+            return _add_rows_gram_(out, g.sum(2))
         if g.shape[2] >= g.shape[1]:
-            return torch.matmul(g, g.transpose(1, 2)).sum(0)
-        return _rows_gram(g.transpose(1, 2).reshape(-1, g.shape[1]))
+            gram = torch.matmul(g, g.transpose(1, 2)).sum(0)
+            return gram if out is None else out.add_(gram)
+        return _add_rows_gram_(out, g.transpose(1, 2).reshape(-1, g.shape[1]))
     if g.dim() > 2 and conv != "expand":
-        return _rows_gram(g.sum(tuple(range(1, g.dim() - 1))))
-    return _rows_gram(g.reshape(-1, g.shape[-1]))
+        return _add_rows_gram_(out, g.sum(tuple(range(1, g.dim() - 1))))
+    return _add_rows_gram_(out, g.reshape(-1, g.shape[-1]))
+
+
+def _add_rows_gram_(acc: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """``acc += rowsᵀ rows`` in place (``acc`` ``None``: a new zero sum), ``rows`` ``(m, out)``:
+    on CPU BLAS ``syrk`` into ``acc``'s memory (half the multiplications of a general product,
+    and no ``(out, out)`` temporary: LoRA's ``B`` has ``out`` = 2304 on GPT-2 small), which
+    writes only ``acc``'s lower triangle; elsewhere ``addmm_`` (both triangles)."""
+    p = rows.shape[-1]
+    acc = rows.new_zeros(p, p) if acc is None else acc
+    blas = blas_module(rows)
+    if blas is None or acc.dtype != rows.dtype or not acc.is_contiguous() or rows.shape[0] == 0:
+        return acc.addmm_(rows.T, rows)
+    syrk = blas.ssyrk if rows.dtype == torch.float32 else blas.dsyrk
+    target = acc.numpy().T  # Fortran-ordered view of acc: its upper triangle is acc's lower
+    with blas_threads():  # the Fortran view of the C-ordered rows is rowsᵀ (out, m)
+        res = syrk(1.0, rows.detach().contiguous().numpy().T, beta=1.0, c=target, overwrite_c=1)
+    if res.ctypes.data != target.ctypes.data:  # f2py copied: write the result back
+        acc.copy_(torch.from_numpy(res.T))
+    return acc
 
 
 def _rows_gram(rows: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from ...data import DataSource
 from ...flat import eval_mode
 from ...likelihoods import Likelihood, check_likelihood
 from ...threads import thread_policy
+from ...linalg import symmetrize_
 from ...validation import check_inputs, choice, positive_int
 from ..jacobians import as_2d
 from ..output_hessian import hessian_factor
@@ -378,14 +379,14 @@ def _backward(
         for i, g in zip(owner, grads[: len(zs)]):
             if g is None:  # the call does not reach the outputs
                 continue
-            gram = _grad_gram(layers[i], g, conv)
-            chunk_sums[i] = gram if chunk_sums[i] is None else chunk_sums[i].add_(gram)
+            chunk_sums[i] = _grad_gram(layers[i], g, conv, chunk_sums[i])  # in place
     for lay, total in zip(layers, chunk_sums):
         if total is not None:
+            symmetrize_(total, upper=False)  # the rows' products fill the lower triangle
             s = (scales or {}).get(lay.name)
             if s is not None:
                 total = total * s[:, None] * s[None, :]
-            _add_sum(lay, total.double())
+            _add_sum(lay, total)
     return local_cols
 
 
@@ -404,4 +405,6 @@ def _is_output(lay: _Layer, seen: dict, out2: torch.Tensor) -> bool:
 
 
 def _add_sum(lay: _Layer, g: torch.Tensor) -> None:
-    lay.G = g if lay.G is None else lay.G + g
+    """``lay.G += g`` in float64, in place after the first chunk (no ``(out, out)`` float64
+    temporary per chunk)."""
+    lay.G = g.double() if lay.G is None else lay.G.add_(g)
