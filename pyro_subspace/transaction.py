@@ -8,7 +8,10 @@ containers copied one level deep) and restores it when the block raises anything
 operation writes in place, only replaces (a subspace's index basis, a K-FAC posterior's
 eigenvectors; the module names them by `REPLACED_ONLY`), are kept by reference, not copied:
 restoring puts the original object back, and an in-place write into one inside the block is a
-library error the transaction reports (``RuntimeError``) rather than leave unrestorable. Fits write their results in
+library error the transaction reports (``RuntimeError``) rather than leave unrestorable. So are
+frozen parameters (``requires_grad=False``: a pretrained base under a LoRA adapter), which no
+fit writes (the flat vector holds the trainable weights only): the snapshot's memory follows
+the trainable weights, as everything else's does. Fits write their results in
 place to avoid a second copy of large buffers, so the snapshot is a copy: when its bytes would
 exceed ``budget`` (default `BUDGET_BYTES`) no copy is taken and ``on_overflow`` (e.g. "mark the
 object unfitted") runs instead on failure, so an interrupted fit never reports itself fitted
@@ -82,7 +85,8 @@ class _Snapshot:
             for slot in ("_parameters", "_buffers"):
                 for name, t in getattr(m, slot).items():
                     copy_it = t is not None and not _is_shared_zero(t)
-                    yield m, slot, name, t, copy_it and not (slot == "_buffers" and name in by_reference)
+                    kept = name in by_reference if slot == "_buffers" else t is not None and not t.requires_grad
+                    yield m, slot, name, t, copy_it and not kept
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for *_, t, copy_it in self._copied() if copy_it)
@@ -101,8 +105,9 @@ class _Snapshot:
         for m, name, t, version in self.kept:
             if t._version != version:
                 raise RuntimeError(
-                    f"transaction: {type(m).__name__}.{name} is declared replaced-only "
-                    f"({REPLACED_ONLY}) but was written in place; please report this bug"
+                    f"transaction: {type(m).__name__}.{name} is kept by reference (a frozen "
+                    f"parameter, or a buffer declared replaced-only by {REPLACED_ONLY}) but was "
+                    "written in place; please report this bug"
                 )
 
     def restore(self) -> None:

@@ -164,3 +164,25 @@ def test_a_state_saved_for_all_weights_of_a_frozen_network_is_refused():
     state["running_mean"] = torch.zeros(TRAINABLE + 30, dtype=F64)
     with pytest.raises(ValueError, match="state_dict: the saved state is for a flat vector of 71"):
         collector.load_state_dict(state)
+
+
+def test_the_all_or_nothing_snapshot_copies_the_trainable_weights_only():
+    """A fit's snapshot (`transaction`) keeps frozen parameters by reference: its bytes are the
+    trainable weights' (no copy of the base), an interrupted fit still restores them, and an
+    in-place write into a frozen parameter inside a fit is reported, never left unrestorable."""
+    from pyro_subspace.transaction import _Snapshot, transaction
+
+    net, x, y = _problem()
+    trainable = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
+    assert _Snapshot((net,)).nbytes() == trainable
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(KeyboardInterrupt):
+        with transaction(net):
+            with torch.no_grad():
+                net.lora_b.weight.add_(1.0)
+            raise KeyboardInterrupt
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before))
+    with pytest.raises(RuntimeError, match="frozen parameter"):
+        with transaction(net):
+            with torch.no_grad():
+                net.base.weight.add_(1.0)
