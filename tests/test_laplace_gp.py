@@ -461,7 +461,7 @@ def test_functional_variance_and_covariance_of_given_jacobians(subset):
 
 def test_gridsearch_picks_the_lambda_of_laplace_torchs_validation_nll():
     """``optimize_prior_precision(pred_type="gp", method="gridsearch", val_loader=...)`` for
-    classification picks the ``λ`` of ``logspace(-4, 4, 100)`` with the least validation NLL of
+    classification picks the ``λ`` of ``logspace(-4, 4, 33)`` with the least validation NLL of
     the probit predictive, scored per ``λ`` by laplace-torch's own ``validate`` with a fresh
     ``RunningNLLMetric`` (laplace-torch 0.3's ``_gridsearch`` itself reuses one metric across the
     grid without a reset, so its running average, not each ``λ``'s NLL, is minimised there: on
@@ -472,9 +472,9 @@ def test_gridsearch_picks_the_lambda_of_laplace_torchs_validation_nll():
     xv = torch.randn(40, 3, generator=gen, dtype=F64)
     with torch.no_grad():  # labels drawn from the net's own probabilities: an interior optimum
         yv = torch.multinomial(net(xv).softmax(-1), 1, generator=gen)[:, 0]
-    val = DataLoader(TensorDataset(xv, yv), batch_size=8)
+    val = DataLoader(TensorDataset(xv, yv), batch_size=40)
     lt = laplace_torch(net, "classification", "all", False, x, y)
-    grid = torch.logspace(-4, 4, 100)
+    grid = torch.logspace(-4, 4, 33)
     scores = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -483,12 +483,12 @@ def test_gridsearch_picks_the_lambda_of_laplace_torchs_validation_nll():
             metric = laplace_utils.RunningNLLMetric()
             scores.append(laplace_utils.validate(lt, val, metric, pred_type="gp", link_approx="probit"))
     la = ours(net, "classification", "all", False, x, y)
-    la.optimize_prior_precision(pred_type="gp", method="gridsearch", val_loader=val)
+    la.optimize_prior_precision(pred_type="gp", method="gridsearch", val_loader=val, grid_size=33)
     picked = float(la.prior_precision)
     assert 1e-3 < picked < 1e3  # not an end of the grid
     j = int(torch.argmin((grid.double() - picked).abs() / picked))
     assert float(grid[j]) == pytest.approx(picked, rel=1e-6)  # a value of the grid
-    # the NLL is flat near its minimum (2e-6 between λ = 0.9 and 2.3 here): laplace-torch's
+    # the NLL is flat near its minimum (2e-6 between λ = 0.9 and 2.3): laplace-torch's
     # float32 metric (a sum of 40 terms ~1, ulp 4e-6 at 43, divided by 40) resolves ~3e-7
     assert scores[j] <= min(scores) + 2e-6
 
