@@ -506,3 +506,40 @@ def test_grid_sweep_is_the_oracle_per_lambda(subset):
     for lam in (0.05, 2.0, 40.0):
         _, want = oracle_moments(net, "classification", subset, False, x, y, xt, lam=lam)
         torch.testing.assert_close(f_cov(torch.tensor(lam, dtype=F64)), want, rtol=RTOL, atol=1e-12)
+
+
+class _KeywordNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, input_ids):
+        return self.body(input_ids)
+
+
+class _DictData(torch.utils.data.Dataset):
+    def __init__(self, x, y, key):
+        self.x, self.y, self.key = x, y, key
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], self.key: self.y[i]}
+
+
+@pytest.mark.parametrize("key", ["labels", "label"])
+def test_dict_batches_draw_the_same_subset(key):
+    """A shuffled loader of dict batches (laplace-torch's Hugging Face form; ``dict_key_y``
+    naming the targets) fits the same GP as the tensors: the subset is drawn by index from the
+    loader's dataset, whatever its order."""
+    torch.manual_seed(0)
+    net = _KeywordNet().to(F64)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(30, 3, generator=gen, dtype=F64), torch.randint(0, 3, (30,), generator=gen)
+    xt = torch.randn(4, 3, generator=gen, dtype=F64)
+    ref = infer.Laplace(net, "classification", "all", "gp", n_subset=10, seed=1).fit(x, y)
+    la = infer.Laplace(net, "classification", "all", "gp", n_subset=10, seed=1, dict_key_y=key)
+    la.fit(DataLoader(_DictData(x, y, key), batch_size=7, shuffle=True))
+    assert torch.equal(la({"input_ids": xt}), ref(xt))
+    assert float(la.log_marginal_likelihood()) == float(ref.log_marginal_likelihood())
