@@ -17,8 +17,14 @@ sequences). Each step runs in a forked child process, so its peak RSS above the 
   draws cost about (evaluations per draw) × that, the evaluations per draw measured on the
   toy problem's kernel (`benchmarks/ess_vs_nuts.py`: 5-8 at T = N/K).
 
-    python benchmarks/hf_lora_scale.py                    # the issue's sizes (about 20 min)
+    python benchmarks/hf_lora_scale.py                    # the issue's sizes (20 min unloaded)
     python benchmarks/hf_lora_scale.py --quick            # 2 layers, N = 64: a smoke run
+    python benchmarks/hf_lora_scale.py --n 128 --steps epoch kfac kfac-mc   # fewer rows, steps
+
+Each step's row is printed (and flushed) as soon as it is measured, so a run stopped early
+still leaves the rows it finished. ``--n`` takes fewer sequences: the peaks do not depend on
+it (every step works in batches of 8 or 32), and K-FAC's eigendecompositions are a fixed cost,
+so its time in epochs is then an upper bound of the N = 512 figure.
 """
 
 from __future__ import annotations
@@ -122,12 +128,12 @@ STEPS = (
 )
 
 
-def _child(name: str, quick: bool, threads: int, queue) -> None:
+def _child(name: str, quick: bool, threads: int, n: int, queue) -> None:
     """One step in a fresh (spawned) process: its time, and its peak RSS above the process's
     resident size once the model and data are built."""
     torch.set_num_threads(threads)
     model = build(quick)
-    x, y, rows = data(*((64, 32) if quick else (512, 64)))
+    x, y, rows = data(n, 32 if quick else 64)
     fn = _steps(model, x, y, rows, len(y))[name]
     base = _rss_mib()
     t = time.perf_counter()
@@ -137,48 +143,74 @@ def _child(name: str, quick: bool, threads: int, queue) -> None:
     queue.put((seconds, peak - base, extra))
 
 
-def run(name: str, quick: bool, threads: int):
+def run(name: str, quick: bool, threads: int, n: int):
     """``(seconds, peak MiB above the built model, extra)`` of step ``name`` in a spawned child."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(name, quick, threads, queue))
+    proc = ctx.Process(target=_child, args=(name, quick, threads, n, queue))
     proc.start()
     out = queue.get()
     proc.join()
     return out
 
 
+#: ``--steps`` names, in the order they run (the unit, the targets, then the rest)
+SHORT = {
+    "epoch": STEPS[0],
+    "kfac": STEPS[2],
+    "kfac-mc": STEPS[3],
+    "forward": STEPS[1],
+    "ess": STEPS[4],
+    "snapshot": STEPS[5],
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--n", type=int, default=None, help="sequences (default 512; --quick 64)")
+    p.add_argument("--steps", nargs="+", choices=list(SHORT), default=list(SHORT))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    n, length = (64, 32) if args.quick else (512, 64)
+    n = args.n or (64 if args.quick else 512)
+    length = 32 if args.quick else 64
     model = build(args.quick)
     trainable = [q for q in model.parameters() if q.requires_grad]
     adapter_bytes = sum(q.numel() * q.element_size() for q in trainable)
     total = sum(q.numel() for q in model.parameters())
     del model
-    names = [k for k in STEPS if k != "snapshot"]
-    results = {name: run(name, args.quick, args.threads) for name in names}
-    snap_bytes = run("snapshot", args.quick, args.threads)[2]
-    load = os.getloadavg()[0]
-    print(f"# Laplace-LoRA at GPT-2-small scale, {datetime.date.today()}, threads {args.threads}, load {load:.2f}")
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[0]
+    print(
+        f"# Laplace-LoRA at GPT-2-small scale, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"threads {torch.get_num_threads()}, load at start {load}"
+    )
     print(
         f"GPT-2 {'(2 layers)' if args.quick else 'small'}: {total:,} weights, LoRA r = 8 on c_attn + "
         f"3-class head: {adapter_bytes // 4:,} trainable weights; N = {n} sequences of {length} "
         "tokens; each step in a fresh process (peak RSS above the built model)\n"
     )
-    ep, ep_peak, _ = results["one adapter training epoch (AdamW, batch 8)"]
-    fw = results["no-grad forward pass over the data"][0]
-    print(f"{'step':54s} {'seconds':>8s} {'epochs':>7s} {'peak MiB':>9s} {'/ train peak':>12s}")
-    for name, (sec, peak, _) in results.items():
-        print(f"{name:54s} {sec:8.1f} {sec / ep:7.2f} {peak:9.0f} {peak / ep_peak:12.2f}")
-    ess = results["one elliptical-slice likelihood evaluation (rank 10)"][0]
-    print(f"\none ESS likelihood evaluation / no-grad forward pass: {ess / fw:.2f} (target <= 1.2)")
-    print(f"20 ESS draws at 5-8 evaluations each: about {100 * ess:.0f}-{160 * ess:.0f} s")
-    print(f"SWA snapshot: {snap_bytes:,} bytes; the adapter + head: {adapter_bytes:,} bytes")
+    print(f"{'step':54s} {'seconds':>8s} {'epochs':>7s} {'peak MiB':>9s} {'/ train peak':>12s} {'load':>5s}", flush=True)
+    ep = ep_peak = None
+    results = {}
+    for short in [k for k in SHORT if k in args.steps]:
+        name = SHORT[short]
+        sec, peak, extra = run(name, args.quick, args.threads, n)
+        results[short] = (sec, peak, extra)
+        load = os.getloadavg()[0]
+        if short == "snapshot":
+            print(f"SWA snapshot: {extra:,} bytes; the adapter + head: {adapter_bytes:,} bytes", flush=True)
+            continue
+        if short == "epoch":
+            ep, ep_peak = sec, peak
+        ratio = f"{sec / ep:7.2f}" if ep else f"{'-':>7s}"
+        mem = f"{peak / ep_peak:12.2f}" if ep_peak else f"{'-':>12s}"
+        print(f"{name:54s} {sec:8.1f} {ratio} {peak:9.0f} {mem} {load:5.1f}", flush=True)
+    if "ess" in results and "forward" in results:
+        ess, fw = results["ess"][0], results["forward"][0]
+        print(f"\none ESS likelihood evaluation / no-grad forward pass: {ess / fw:.2f} (target <= 1.2)")
+        print(f"20 ESS draws at 5-8 evaluations each: about {100 * ess:.0f}-{160 * ess:.0f} s")
 
 
 if __name__ == "__main__":
