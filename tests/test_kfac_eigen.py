@@ -125,6 +125,31 @@ def test_eigenpairs_equal_curvlinops(make, eigenvalues):
         assert torch.allclose(sub.eigenvalues, top, rtol=0, atol=1e4 * EPS * scale)
 
 
+@pytest.mark.parametrize("make", [_mlp, _cnn], ids=["mlp", "cnn"])
+def test_every_candidate_gives_the_top_of_curvlinops_ekfac_spectrum(make):
+    """``candidates = D``: every Kronecker direction re-estimated, the top ``K`` kept: the
+    eigenpairs are the top of curvlinops' dense EKFAC operator."""
+    curvlinops = pytest.importorskip("curvlinops")
+    net, shape = make()
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 4, (shape[0],), generator=gen)
+    op = curvlinops.EKFACLinearOperator(
+        net, nn.CrossEntropyLoss(reduction="sum"), list(net.parameters()), [(x, y)],
+        fisher_type="type-2", check_deterministic=False,
+    )  # fmt: skip
+    k, d = 8, sum(p.numel() for p in net.parameters())
+    sub = subspaces.kfac_eigen(
+        net, likelihoods.Categorical(), x, k, eigenvalues="ekfac", candidates=d
+    )
+    dense = op @ torch.eye(d, dtype=torch.float64)
+    top = torch.linalg.eigvalsh((dense + dense.T) / 2).flip(0)[:k]
+    scale = float(top[0])
+    assert torch.allclose(sub.eigenvalues, top, rtol=0, atol=1e4 * EPS * scale)
+    p = sub.dense_basis()
+    assert torch.allclose(dense @ p, p * sub.eigenvalues, rtol=0, atol=1e4 * EPS * scale)
+
+
 def test_ekfac_eigenvalues_are_rayleigh_quotients_of_the_exact_ggn():
     net, shape = _mlp()
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
@@ -180,6 +205,8 @@ class _Counting(nn.Module):
         ({"rank": 2, "conv": "bad"}, ValueError, "conv"),
         ({"rank": 2, "fisher": "empirical"}, ValueError, "fisher"),
         ({"rank": 2, "mc_samples": 2}, ValueError, "mc_samples"),
+        ({"rank": 2, "candidates": 4}, ValueError, "candidates: only"),
+        ({"rank": 3, "candidates": 2, "eigenvalues": "ekfac"}, ValueError, "candidates"),
         ({"rank": 2, "chunk_size": 0}, ValueError, "chunk_size"),
         ({"rank": 2, "w": torch.zeros(7, dtype=torch.float64)}, ValueError, "w"),
     ],

@@ -44,6 +44,7 @@ def kfac_eigen(
     bias: str = "separate",
     fisher: str = "type-2",
     mc_samples: int = 1,
+    candidates: int | None = None,
     chunk_size: int = 1024,
 ) -> KroneckerSubspace:
     """The ``rank`` leading eigenvectors of the K-FAC GGN at ``w`` as a `KroneckerSubspace`.
@@ -80,6 +81,11 @@ def kfac_eigen(
             repeatable and torch's global generators untouched). EK-FAC's re-estimates are
             exact GGN moments either way.
         mc_samples: draws per data point for ``fisher="mc"`` (must be 1 for ``"type-2"``).
+        candidates: with ``"ekfac"``: re-estimate the ``candidates >= rank`` directions of
+            largest K-FAC eigenvalue and keep the ``rank`` of largest EK-FAC eigenvalue
+            (``candidates = D``: the top of EK-FAC's whole spectrum, as George et al. rank the
+            directions; the pass costs ``candidates`` forward-mode products per chunk).
+            Default ``rank``: the K-FAC directions, re-estimated.
         chunk_size: rows per pass.
 
     Returns:
@@ -105,6 +111,9 @@ def kfac_eigen(
     flat = FlatNet(net)
     d = flat.num_weights
     ck.check_int(rank, "rank", 1, d)
+    ck.check_int(candidates, "candidates", rank, d, allow_none=True)
+    if candidates is not None and eigenvalues != "ekfac":
+        raise ValueError("candidates: only eigenvalues='ekfac' re-ranks candidate directions")
     if w is not None:
         flat.check_weights(w, "w", batched=False)
     check_finite_state(net, w)  # the weights, frozen parameters and buffers: before any pass
@@ -117,11 +126,12 @@ def kfac_eigen(
                 p.copy_(part.view_as(p))
         factors = kfac(net, likelihood, x, conv=conv, bias=bias, fisher=fisher,
                        mc_samples=mc_samples, chunk_size=chunk_size, dtype=torch.float64)  # fmt: skip
+    pool = rank if candidates is None else candidates
     values, picks = [], []  # per block: its candidate eigenvalues and how to build each
     for b, block in enumerate(factors.blocks):
         if block.kind == "diagonal":
             vals = block.diagonal
-            top = torch.topk(vals, min(rank, vals.numel()))
+            top = torch.topk(vals, min(pool, vals.numel()))
             values.append(top.values)
             picks += [(b, None, int(m)) for m in top.indices]
             continue
@@ -131,14 +141,27 @@ def kfac_eigen(
         else:
             lam, ua = torch.linalg.eigh(block.A)
         prod = mu.clamp_min(0)[:, None] * lam.clamp_min(0)[None, :]  # shape: (q, p)
-        top = torch.topk(prod.reshape(-1), min(rank, prod.numel()))
+        top = torch.topk(prod.reshape(-1), min(pool, prod.numel()))
         values.append(top.values)
         picks += [(b, (vg, ua), int(m)) for m in top.indices]
-    best = torch.topk(torch.cat(values), rank)  # descending, across blocks
+    best = torch.topk(torch.cat(values), pool)  # descending, across blocks
     chosen = [picks[int(i)] for i in best.indices]
+    if eigenvalues == "kfac":
+        return _subspace(w, factors, chosen, best.values.clamp_min(0))
+    # EK-FAC: p_kᵀ G p_k of every candidate (the diagonal of the GGN in their span), the top kept
+    sub = _subspace(w, factors, chosen, best.values.clamp_min(0))
+    s = ggn_in_subspace(net, likelihood, x, sub, chunk_size, w=w).diagonal().clamp_min(0)
+    order = torch.argsort(s.double(), descending=True, stable=True)[:rank].tolist()
+    return _subspace(w, factors, [chosen[i] for i in order], s[order])
 
-    # one stored block per K-FAC block with chosen columns, one per chosen diagonal entry
+
+def _subspace(w: torch.Tensor, factors, chosen: list, values: torch.Tensor) -> KroneckerSubspace:
+    """The `KroneckerSubspace` at ``w`` whose coordinate ``k`` is the direction ``chosen[k]``
+    (``(block, (eigenvectors of G, of A), m)``, ``m = i·p + j`` for ``v_i ⊗ u_j``, or
+    ``(block, None, m)``: the entry ``m`` of a diagonal block) with eigenvalue ``values[k]``:
+    one stored block per K-FAC block with chosen columns, one per chosen diagonal entry."""
     by_block: dict[int, list[tuple[int, int]]] = {}
+    eigs: dict[int, tuple] = {}
     blocks, coords = [], []
     for coord, (b, eig, m) in enumerate(chosen):
         block = factors.blocks[b]
@@ -148,23 +171,13 @@ def kfac_eigen(
             coords.append([coord])
         else:
             by_block.setdefault(b, []).append((coord, m))
+            eigs[b] = eig
     for b, cols in by_block.items():
-        vg, ua = next(eig for bb, eig, _ in chosen if bb == b)
+        vg, ua = eigs[b]
         p = ua.shape[0]
         rows = torch.tensor([m // p for _, m in cols])
         ins = torch.tensor([m % p for _, m in cols])
         blocks.append((factors.blocks[b].index, vg[:, rows], ua[:, ins]))
         coords.append([c for c, _ in cols])
     columns = torch.tensor([c for cs in coords for c in cs])
-    sub = KroneckerSubspace(
-        w.clone(), blocks, columns=columns, eigenvalues=best.values.clamp_min(0).to(w.dtype)
-    )
-    if eigenvalues == "ekfac":
-        s = ggn_in_subspace(net, likelihood, x, sub, chunk_size, w=w).diagonal().clamp_min(0)
-        order = torch.argsort(s.double(), descending=True, stable=True)
-        new = torch.empty_like(order)
-        new[order] = torch.arange(rank, device=order.device)  # coordinate k moves to new[k]
-        sub = KroneckerSubspace(
-            w.clone(), blocks, columns=new[columns.to(new.device)], eigenvalues=s[order].to(w.dtype)
-        )
-    return sub
+    return KroneckerSubspace(w.clone(), blocks, columns=columns, eigenvalues=values.to(w.dtype))
