@@ -40,19 +40,28 @@ def agree(results: dict, dtype: torch.dtype, skip: tuple = ()) -> dict:
     return diffs
 
 
-FLOAT32_GGN = pytest.mark.xfail(
-    strict=True,
-    reason="issue 36 (a): our float32 GGN of all weights is noisier than laplace-torch's "
-    "(smallest eigenvalue -9e-3 against -6e-4), which moves the tuned lambda by 1.4e-2",
-)
+def test_regression_example():
+    """``examples/regression_example.py`` in float64: the hand-written loop on ``log λ, log σ``,
+    the ``state_dict`` round trip, ``la(x)`` and ``la(x, joint=True)``, and
+    ``marglik_training`` (full, BackPackGGN, scalar prior). Epochs shortened (the script: 1000
+    each). In float32 (the script's dtype) its numbers cannot agree to 1e-4: laplace-torch's
+    own float32 λ is 2.3e-3 from its float64 λ on the same weights (the full GGN's float32
+    rounding, most of its spectrum near 0), so the float32 run is checked for accuracy instead
+    (`test_float32_curvature_and_evidence_as_accurate_as_laplace_torch`) and its
+    ``marglik_training`` to 1e-2 (`test_regression_example_marglik_training_float32`)."""
+    agree(ex.run(ex.regression_example, F64, n_epochs=100, n_epochs_marglik=5, n_test=50), F64)
 
 
-@pytest.mark.parametrize("dtype", [F64, pytest.param(F32, marks=FLOAT32_GGN)])
-def test_regression_example(dtype):
-    """``examples/regression_example.py``: the hand-written loop on ``log λ, log σ``, the
-    ``state_dict`` round trip, ``la(x)`` and ``la(x, joint=True)``, and ``marglik_training``
-    (full, BackPackGGN, scalar prior). Epochs shortened (the script: 1000 each)."""
-    agree(ex.run(ex.regression_example, dtype, n_epochs=100, n_epochs_marglik=5, n_test=50), dtype)
+MARGLIK = ("marglik_training: sigma", "marglik_training: prior precision", "marglik_training: last marglik")
+
+
+def test_regression_example_marglik_training_float32():
+    """Issue 36: ``marglik_training`` on the regression example in its own float32: the final
+    ``σ``, ``λ`` and evidence within 1e-2 relative of laplace-torch's (30 epochs here; the
+    benchmark table runs the script's 1000)."""
+    diffs = ex.compare(ex.run(ex.regression_example, F32, n_epochs=100, n_epochs_marglik=30, n_test=50))
+    bad = {k: diffs[k] for k in MARGLIK if not diffs[k] <= 1e-2}
+    assert not bad, bad
 
 
 @pytest.mark.parametrize("dtype", [F64, F32])
@@ -150,3 +159,73 @@ def test_docs_marginal_likelihood(dtype):
         fd = (ml(0.3 + h) - ml(0.3 - h)) / (2 * h)
     ours = float(results["pyro_subspace"]["d ml / d obs_noise"])
     assert abs(ours - fd) <= 1e-6 * abs(fd), (ours, fd)
+
+
+def _regression_net(n_epochs: int):
+    """The regression example's float32 MAP (its data, seeds, network and Adam loop)."""
+    with ex.default_dtype(F32):
+        torch.manual_seed(711)
+        x, y, loader, _ = ex.get_sinusoid_example(150, 0.3)
+        torch.manual_seed(711)
+        net = torch.nn.Sequential(torch.nn.Linear(1, 50), torch.nn.Tanh(), torch.nn.Linear(50, 1))
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+        for _ in range(n_epochs):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+    return net, x, y
+
+
+def _hyper_loop(la, dtype, n_steps):
+    """The regression example's loop on ``log λ, log σ`` (Adam, lr 0.1); returns ``(λ, σ)``."""
+    log_prior = torch.ones(1, dtype=dtype, requires_grad=True)
+    log_sigma = torch.ones(1, dtype=dtype, requires_grad=True)
+    opt = torch.optim.Adam([log_prior, log_sigma], lr=1e-1)
+    for _ in range(n_steps):
+        opt.zero_grad()
+        (-la.log_marginal_likelihood(log_prior.exp(), log_sigma.exp())).backward()
+        opt.step()
+    return float(log_prior.exp()), float(log_sigma.exp())
+
+
+def test_float32_curvature_and_evidence_as_accurate_as_laplace_torch():
+    """Issue 36 (a), on the regression example's float32 MAP (151 weights, most of the GGN's
+    spectrum near 0): our float32 GGN carries no more negative eigen-mass than laplace-torch's
+    own float32 GGN of the same net (both the same float32 products in other orders: the
+    masses agree within 25 %), and the λ that the example's hyperparameter loop finds in
+    float32 is as close to the float64 one (the same weights in float64: our float64 GGN is
+    the brute-force one) as laplace-torch's float32 λ is, within a factor 2 (here both about
+    1 % off: float32 rounding of a GGN with most of its spectrum near 0 moves λ that much).
+    Before the fix our float32 evidence took the GGN's eigenvalues from float32's eigensolver
+    (errors ~eps·‖G‖: −9e-3) and clamped the negative ones at 0: λ 4–5 % off where
+    laplace-torch's was 0.2 % off (1000 epochs), and this test failed."""
+    import copy
+
+    import laplace
+
+    from pyro_subspace.infer import Laplace
+
+    net, x, y = _regression_net(300)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=150)
+    ours = Laplace(net, "regression", subset_of_weights="all", hessian_structure="full").fit(loader)
+    theirs = laplace.Laplace(net, "regression", subset_of_weights="all", hessian_structure="full")
+    theirs.fit(loader)
+
+    def negative_mass(ggn):
+        eig = torch.linalg.eigvalsh(ggn.detach().double())
+        return float(-eig[eig < 0].sum())
+
+    ours_mass, theirs_mass = negative_mass(ours.posterior.curvature()), negative_mass(theirs.H)
+    assert ours.posterior.curvature().dtype == F32
+    assert ours_mass <= 1.25 * theirs_mass, (ours_mass, theirs_mass)
+
+    with ex.default_dtype(F64):
+        net64 = copy.deepcopy(net).double()
+        loader64 = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.double(), y.double()), batch_size=150)
+        exact = Laplace(net64, "regression", subset_of_weights="all", hessian_structure="full").fit(loader64)
+        lam64, sigma64 = _hyper_loop(exact, F64, 300)
+    lam_ours, sigma_ours = _hyper_loop(ours, F32, 300)
+    lam_theirs, sigma_theirs = _hyper_loop(theirs, F32, 300)
+    err_ours, err_theirs = abs(lam_ours / lam64 - 1), abs(lam_theirs / lam64 - 1)
+    assert err_ours <= 2 * err_theirs, (lam_ours, lam_theirs, lam64)
+    assert abs(sigma_ours / sigma64 - 1) <= 2 * abs(sigma_theirs / sigma64 - 1) + 1e-5

@@ -18,8 +18,9 @@ is ``(J L)(J L)ᵀ``, ``diag Σ`` the row sums of ``L²``, the evidence at that 
 - one ``λ`` (the fit, the predictive, draws, the evidence at the fitted ``λ``): the Cholesky
   factor, with the GGN kept beside it for the next ``λ``: two matrices;
 - the evidence at many ``λ`` (``"marglik"``: a gradient in ``λ`` per step): the GGN's
-  eigenvalues, computed once in the factor's memory (``syevd`` without vectors, workspace
-  ``O(K)``), ``O(K)`` per ``λ``; the factor is formed again on its next use: two;
+  eigenvalues, computed once (the factor's memory given back first, ``syevd`` without
+  vectors on a copy, workspace ``O(K)``), ``O(K)`` per ``λ``; the factor is formed again on
+  its next use: two;
 - the grid's validation predictive (`functional_covariance_on_grid`): the GGN's eigenvectors
   (``syevr``, which needs no ``K²`` workspace, on a copy in the factor's memory, the vectors
   beside it: three matrices while the Jacobians are rotated, ``O(N·O·K)`` per ``λ`` after)
@@ -27,7 +28,12 @@ is ``(J L)(J L)ᵀ``, ``diag Σ`` the row sums of ``L²``, the evidence at that 
   memory (two).
 
 `MAX_BYTES` bounds the two held matrices: float32 ``K ≤ 46,340`` (the paper's ``K = 42,438``
-takes 2 × 7.2 GB), float64 ``K ≤ 32,768``.
+takes 2 × 7.2 GB), float64 ``K ≤ 32,768``. The GGN's accumulation holds two as well in float32
+(the float32 part and the float64 sum of its upper triangle, `gram`), one in float64; with
+``N·C`` known to exceed ``2K/3`` no GGN row is held back for Woodbury (`RootRows.points`).
+Reading ``precision_matrix`` or ``covariance_matrix``, a ``state_dict`` (which holds all four)
+and ``hessian_structure``'s MAP polish (`Posterior.newton_step`, a dense float64 Hessian) cost
+more: one or two matrices each.
 
 **Buffers left to first use.** With fewer GGN rows ``r = N·C`` than weights ``K``, the
 covariance comes from the rows themselves by Woodbury's identity, ``Σ = D (I − BᵀB) D`` with
@@ -41,12 +47,12 @@ exactly as the fit would have.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
 from ....curvature.gram import RootRows, gram_from_blocks
-import warnings
-
 from ....linalg import (
     FLOAT32_MAX_CONDITION,
     JITTERS,
@@ -64,7 +70,6 @@ from ....linalg import (
     solve_lower,
     solve_reversed_cholesky,
     symmetrize_,
-    tril_outer,
     tril_outer_,
 )
 from .base import Posterior, PriorPrecision
@@ -542,8 +547,8 @@ class FullPosterior(Posterior):
         its rounding: clamping only the negative ones biased the evidence, and the tuned ``λ``
         by 4 % on laplace-torch's regression example; `log_det` clamps only where the
         precision would not be positive). The factor's memory is given back (the factor is
-        formed again on its next use) and ``torch.linalg.eigvalsh`` (MKL's ``syevd`` without vectors, workspace ``O(K)``, on its
-        own float64 copy of the GGN: about 3x faster than OpenBLAS's here; for float32 buffers
+        formed again on its next use) and ``torch.linalg.eigvalsh`` (MKL's ``syevd`` without
+        vectors, workspace ``O(K)``, on its own float64 copy of the GGN: about 3x faster than OpenBLAS's here; for float32 buffers
         that copy is twice the factor's bytes, the price of eigenvalues as accurate as the
         float32 GGN itself) takes it; from the ``(r, r)`` ``A Aᵀ`` of the kept GGN rows when
         there are any (``r³`` instead of ``K³``, no ``(K, K)`` GGN)."""
