@@ -367,10 +367,14 @@ class FunctionalPosterior(Posterior):
         k = self._masked((self.jac * s) @ self.jac.T)
         return (k + k.T) / 2
 
-    def _cross(self, jp: torch.Tensor, s=None, factor=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """For ``J*`` ``(n, P, K)``: ``K**`` ``(n, P, P)`` and ``V = L⁻¹ W K_M*`` as ``(n, P, R)``,
-        so that the predictive covariance is ``K** − V Vᵀ`` (at the prior of `set_prior`, or
-        at ``S = s``, ``L = factor``)."""
+    def _cross(
+        self, jp: torch.Tensor, s=None, factor=None, diagonal: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For ``J*`` ``(n, P, K)``: ``K**`` ``(n, P, P)`` (its diagonal ``(n, P)`` with
+        ``diagonal``) and ``V = L⁻¹ W K_M*`` as ``(n, P, R)``, so that the predictive covariance
+        is ``K** − V Vᵀ`` (at the prior of `set_prior`, or at ``S = s``, ``L = factor``). With
+        ``independent_outputs`` only the same-output blocks of ``K*M`` are multiplied (``O``
+        times fewer multiplications than the masked product)."""
         if s is None:
             if self.prior_variance.numel() == 0:
                 raise RuntimeError("FunctionalPosterior: call set_prior first")
@@ -378,14 +382,26 @@ class FunctionalPosterior(Posterior):
         n, p, k = jp.shape
         jp = jp.to(self.jac)
         js = jp * s
-        kss = torch.bmm(js, jp.mT)
-        ksm = js.reshape(n * p, k) @ self.jac.T  # shape: (n·P, R)
+        flat = js.reshape(n * p, k)
         if self.independent_outputs:
+            o, r = self.num_outputs, self.fitted_rows
+            train = self.jac.view(r // o, o, k)  # row m·O + c
             c_test = self._output_of_rows(p).repeat(n)
-            c_train = self._output_of_rows(self.fitted_rows)
-            ksm = ksm * (c_test[:, None] == c_train[None, :])
-            same = self._output_of_rows(p)
-            kss = kss * (same[:, None] == same[None, :])
+            ksm = flat.new_zeros(n * p, r // o, o)
+            for c in range(o):
+                rows = (c_test == c).nonzero()[:, 0]
+                if rows.numel():
+                    ksm[rows, :, c] = flat[rows] @ train[:, c, :].T
+            ksm = ksm.reshape(n * p, r)
+        else:
+            ksm = flat @ self.jac.T  # shape: (n·P, R)
+        if diagonal:
+            kss = (js * jp).sum(-1)
+        else:
+            kss = torch.bmm(js, jp.mT)
+            if self.independent_outputs:
+                same = self._output_of_rows(p)
+                kss = kss * (same[:, None] == same[None, :])
         wk = ksm * self.hess.sqrt()  # (K*M W)
         v = torch.linalg.solve_triangular(factor, wk.T, upper=False)  # (R, n·P)
         return kss, v.T.reshape(n, p, -1)
@@ -455,9 +471,9 @@ class FunctionalPosterior(Posterior):
         return (cov + cov.mT) / 2
 
     def functional_variance(self, jp: torch.Tensor) -> torch.Tensor:
-        """The diagonal ``(n, P)`` of `functional_covariance`."""
-        kss, v = self._cross(jp)
-        return kss.diagonal(dim1=-2, dim2=-1) - v.square().sum(-1)
+        """The diagonal ``(n, P)`` of `functional_covariance` (no ``(n, P, P)`` array)."""
+        kss, v = self._cross(jp, diagonal=True)
+        return kss - v.square().sum(-1)
 
     def _weight_factor(self) -> torch.Tensor:
         """``B = L⁻¹ W J_M S`` ``(R, K)``: ``Σ = S − BᵀB``."""
