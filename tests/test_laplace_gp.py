@@ -543,3 +543,19 @@ def test_dict_batches_draw_the_same_subset(key):
     la.fit(DataLoader(_DictData(x, y, key), batch_size=7, shuffle=True))
     assert torch.equal(la({"input_ids": xt}), ref(xt))
     assert float(la.log_marginal_likelihood()) == float(ref.log_marginal_likelihood())
+
+
+@pytest.mark.parametrize("task", ["regression", "classification"])
+def test_optimize_prior_precision_with_laplace_torchs_defaults(task):
+    """``la.optimize_prior_precision()`` as a ported script calls it: laplace-torch's
+    ``FunctionalLaplace`` defaults (``pred_type="gp"``, the evidence, ``λ`` from 1, 100 Adam
+    steps of 0.1 on ``log λ``) give its ``λ``."""
+    net, x, y, xt = problem(task)
+    lt = laplace_torch(net, task, "last_layer", False, x, y)
+    la = ours(net, task, "last_layer", False, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lt.optimize_prior_precision()
+    la.optimize_prior_precision()
+    close(la.prior_precision, lt.prior_precision)
+    close(la.log_marginal_likelihood(), lt.log_marginal_likelihood())
