@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import torch
 
 from .validation import positive_int
@@ -298,9 +299,9 @@ def cholesky_reversed_(s: torch.Tensor) -> tuple[int, float]:
         m, info = potrf(arr.T, lower=1, clean=0, overwrite_a=1)
     if info != 0:
         return int(info), float("inf")
-    if not __import__("numpy").shares_memory(m, arr):  # pragma: no cover - SciPy copied
+    if not np.shares_memory(m, arr):  # pragma: no cover - SciPy copied
         arr[...] = m.T
-    diag = __import__("numpy").diagonal(arr).astype("float64")
+    diag = np.diagonal(arr).astype(np.float64)
     return 0, float((diag.max() / diag.min()) ** 2)
 
 
@@ -315,7 +316,7 @@ def scale_tril_from_reversed_cholesky_(s: torch.Tensor) -> torch.Tensor:
         inv, info = trtri(arr.T, lower=1, overwrite_c=1)  # M⁻¹ on the Fortran lower triangle
     if info != 0:
         raise torch.linalg.LinAlgError(f"posterior precision: singular factor (trtri info {info})")
-    if not __import__("numpy").shares_memory(inv, arr):  # pragma: no cover - SciPy copied
+    if not np.shares_memory(inv, arr):  # pragma: no cover - SciPy copied
         arr[...] = inv.T
     return reverse_(s).tril_()  # C order held (M⁻¹)ᵀ = M⁻ᵀ: J M⁻ᵀ J is L
 
@@ -345,7 +346,7 @@ def tril_outer_(out: torch.Tensor, scale_tril: torch.Tensor) -> torch.Tensor:
     arr = out.detach().numpy()
     with blas_threads():  # Nᵀ N = J L Lᵀ J on the Fortran lower = C upper triangle
         res, info = lauum(arr.T, lower=1, overwrite_c=1)
-    if info != 0 or not __import__("numpy").shares_memory(res, arr):  # pragma: no cover
+    if info != 0 or not np.shares_memory(res, arr):  # pragma: no cover
         return out.copy_(symmetrize_(scale_tril @ scale_tril.mT))
     return reverse_(symmetrize_(out, upper=True))
 
