@@ -150,9 +150,16 @@ def _keyword_names(forward) -> tuple[frozenset, bool]:
 
 def as_keywords(net: nn.Module, x: Mapping) -> bool:
     """The rule: a mapping goes in as keyword arguments when ``net.forward`` names every key
-    (or takes ``**kwargs``), else as one argument."""
+    (or takes ``**kwargs``), else as one argument. A forward that only passes ``*args,
+    **kwargs`` on to the model it wraps (peft's ``PeftModel`` without a task type, around a
+    user's ``forward(self, data)`` as in laplace-torch's Hugging Face guide) is looked through:
+    the wrapped model's (``get_base_model()``) forward decides."""
     forward = type(net).forward
     named, var = _keyword_names(forward)
+    if var and named <= {"self"} and callable(getattr(net, "get_base_model", None)):
+        base = net.get_base_model()
+        if isinstance(base, nn.Module) and base is not net:
+            return as_keywords(base, x)
     return var or set(x) <= named
 
 

@@ -401,3 +401,26 @@ def test_mola_over_adapters_shares_one_base_and_equals_mola_over_copies():
     assert torch.equal(flat.vector(), w0)  # the shared network's weights are put back
     assert {id(m.flat.net) for m, _ in shared.members} == {id(model)}
     assert all(m.subspace.shift.numel() == flat.num_weights for m, _ in shared.members)
+
+
+def test_a_peft_wrapper_without_task_type_is_looked_through():
+    """peft's ``PeftModel`` (no task type) has ``forward(*args, **kwargs)`` and passes both on:
+    around a user's ``forward(self, data)`` (laplace-torch's Hugging Face guide) the mapping
+    goes in as one argument, around a Hugging Face model as keywords (`batch.as_keywords`)."""
+    from pyro_subspace import batch
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.hf_model = _model("gpt2").get_base_model()
+
+        def forward(self, data):
+            return self.hf_model(input_ids=data["input_ids"], attention_mask=data["attention_mask"]).logits
+
+    x, _, _ = _data()
+    lora = peft.LoraConfig(r=2, target_modules=["c_attn"])
+    for inner, keywords in ((Wrapper(), False), (_model("gpt2").get_base_model(), True)):
+        wrapped = peft.get_peft_model(inner, lora).to(F64).eval()
+        assert batch.as_keywords(wrapped, x) is keywords
+        direct = wrapped(**x) if keywords else wrapped(x)
+        assert torch.equal(batch.call(wrapped, x), batch.output(direct))
