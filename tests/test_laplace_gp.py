@@ -559,3 +559,32 @@ def test_optimize_prior_precision_with_laplace_torchs_defaults(task):
     la.optimize_prior_precision()
     close(la.prior_precision, lt.prior_precision)
     close(la.log_marginal_likelihood(), lt.log_marginal_likelihood())
+
+
+@pytest.mark.parametrize("task,independent", [(t, i) for t in ("regression", "classification") for i in (False, True)])
+def test_enable_backprop_gradients_equal_laplace_torchs(task, independent):
+    """``enable_backprop=True`` (Bayesian optimisation): the GP predictive is differentiable in
+    the inputs, and the input gradient of ``Σ f_mu + Σ f_var`` (regression) or of a weighted
+    sum of the probit probabilities equals laplace-torch's."""
+    laplace = pytest.importorskip("laplace")
+    net, x, y, xt = problem(task)
+    sigma = {"sigma_noise": SIGMA} if task == "regression" else {}
+    lt = laplace.Laplace(
+        net, task, subset_of_weights="all", hessian_structure="gp", n_subset=M,
+        prior_precision=LAM, independent_outputs=independent, seed=SEED, enable_backprop=True,
+        **sigma,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lt.fit(DataLoader(TensorDataset(x, y), batch_size=7))
+    la = ours(net, task, "all", independent, x, y, enable_backprop=True)
+    grads = []
+    for obj in (la, lt):
+        xx = xt.clone().requires_grad_(True)
+        out = obj(xx)
+        if task == "regression":
+            value = out[0].sum() + out[1].sum()
+        else:
+            value = (out * torch.arange(3.0, dtype=F64)).sum()
+        grads.append(torch.autograd.grad(value, xx)[0])
+    torch.testing.assert_close(grads[0], grads[1], rtol=RTOL, atol=1e-12)
