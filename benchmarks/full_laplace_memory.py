@@ -137,13 +137,16 @@ def run_one(commit, k, r, m, dtype_name, marglik, lowrank, out) -> None:
     times = {}
     _reset_hwm()
     base = _rss()
+    out.put(("base", base))
     post = cls(k, dtype=dtype)
     start = time.perf_counter()
     post.fit_curvature(ev, t)
     times["ggn"] = time.perf_counter() - start
+    out.put(("step", f"GGN formed in {times['ggn']:.0f} s; factorising"))
     start = time.perf_counter()
     post.set_prior(prior)
     times["factor"] = time.perf_counter() - start
+    out.put(("step", f"factor formed in {times['factor']:.0f} s"))
     start = time.perf_counter()
     logdet = float(post.log_det(prior))
     times["evidence"] = time.perf_counter() - start
@@ -158,17 +161,39 @@ def run_one(commit, k, r, m, dtype_name, marglik, lowrank, out) -> None:
         float(post.log_det(other))
         times["marglik"] = time.perf_counter() - start
     peak_all = _hwm() - base
-    out.put((times, peak, peak_all, logdet, f_var))
+    out.put(("done", (times, peak, peak_all, logdet, f_var)))
 
 
-def fresh(*args):
+def fresh(*args, limit: float | None = None):
+    """`run_one` in a fresh spawned process; with ``limit`` (seconds) the worker's peak RSS
+    (``VmHWM`` read from ``/proc``) is followed from outside and the worker stopped at the
+    limit: returns ``(None, peak over its baseline, steps reached)`` then."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=run_one, args=(*args, out))
     proc.start()
-    result = out.get(timeout=6 * 3600)
-    proc.join()
-    return result
+    kind, base = out.get(timeout=3600)
+    start, steps, peak = time.perf_counter(), [], 0
+    while True:
+        try:
+            kind, value = out.get(timeout=1.0)
+        except Exception:  # queue.Empty: the worker still runs
+            kind = None
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+            peak = max(peak, hwm - base)
+        except (OSError, StopIteration):
+            pass
+        if kind == "step":
+            steps.append(f"{value} ({time.perf_counter() - start:.0f} s)")
+        elif kind == "done":
+            proc.join()
+            return value
+        if limit is not None and time.perf_counter() - start > limit:
+            proc.terminate()
+            proc.join()
+            return None, peak, steps
 
 
 def main() -> None:
@@ -180,6 +205,8 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=2000, help="rows of J (predictive)")
     parser.add_argument("--marglik", action="store_true")
     parser.add_argument("--paper", action="store_true", help="K = 42,438 float32, today's code")
+    parser.add_argument("--limit", type=float, default=None,
+                        help="stop each worker after this many seconds, reporting its peak so far")  # fmt: skip
     args = parser.parse_args()
     threads = int(os.environ.get("BENCH_THREADS", "2"))
     print(f"# benchmarks/full_laplace_memory.py {' '.join(sys.argv[1:])}")
@@ -188,7 +215,7 @@ def main() -> None:
           f"{' '.join(f'{v:.2f}' for v in os.getloadavg())} (uptime) at the start")  # fmt: skip
     configs = []
     if args.paper:
-        configs.append((None, 42438, 0, 10000, "float32", False, 512))
+        configs.append((None, 42438, 0, 10000, "float32", False, 8))
     else:
         for k in (int(v) for v in args.k.split(",")):
             r = int(args.rows_over_k * k)
@@ -200,8 +227,15 @@ def main() -> None:
     results = {}
     for cfg in configs:
         commit, k, r, m, dtype, marglik, lowrank = cfg
-        times, peak, peak_all, logdet, f_var = fresh(*cfg)
         size = torch.empty((), dtype=getattr(torch, dtype)).element_size() * k * k
+        result = fresh(*cfg, limit=args.limit)
+        if result[0] is None:  # stopped at --limit
+            _, peak, steps = result
+            print(f"{commit or 'today':<10} {k:6d} {r if r else 'BBᵀ':>6} {dtype:>7} stopped after "
+                  f"{args.limit:.0f} s; peak so far {peak / 1e9:.2f} GB = {peak / size:.2f} K x K; "
+                  f"reached: {'; '.join(steps) or 'the GGN'}", flush=True)  # fmt: skip
+            continue
+        times, peak, peak_all, logdet, f_var = result
         total = times["ggn"] + times["factor"] + times["evidence"] + times["predictive"]
         results[(commit, k)] = (total, logdet, f_var)
         extra = (
