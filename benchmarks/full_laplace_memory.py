@@ -204,6 +204,7 @@ def main() -> None:
     parser.add_argument("--rows-over-k", type=float, default=1.125, help="r = this x K rows")
     parser.add_argument("--m", type=int, default=2000, help="rows of J (predictive)")
     parser.add_argument("--marglik", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds, old and today interleaved")
     parser.add_argument("--paper", action="store_true", help="K = 42,438 float32, today's code")
     parser.add_argument("--limit", type=float, default=None,
                         help="stop each worker after this many seconds, reporting its peak so far")  # fmt: skip
@@ -225,7 +226,7 @@ def main() -> None:
           f"{'evid. s':>7} {'pred. s':>7} {'total s':>8} {'peak GB':>8} {'K x K':>6} "
           f"{'marglik s':>9} {'peak GB':>8} {'K x K':>6}", flush=True)  # fmt: skip
     results = {}
-    for cfg in configs:
+    for cfg in [c for _ in range(args.rounds) for c in configs]:  # A B A B: rounds interleaved
         commit, k, r, m, dtype, marglik, lowrank = cfg
         size = torch.empty((), dtype=getattr(torch, dtype)).element_size() * k * k
         result = fresh(*cfg, limit=args.limit)
@@ -237,7 +238,8 @@ def main() -> None:
             continue
         times, peak, peak_all, logdet, f_var = result
         total = times["ggn"] + times["factor"] + times["evidence"] + times["predictive"]
-        results[(commit, k)] = (total, logdet, f_var)
+        best = results.get((commit, k), (float("inf"),))[0]
+        results[(commit, k)] = (min(total, best), logdet, f_var)
         extra = (
             f"{times['marglik']:9.1f} {peak_all / 1e9:8.2f} {peak_all / size:6.2f}"
             if "marglik" in times else ""
@@ -247,8 +249,8 @@ def main() -> None:
               f"{times['predictive']:7.1f} {total:8.1f} {peak / 1e9:8.2f} {peak / size:6.2f} "
               + extra, flush=True)  # fmt: skip
     if args.old:
-        print("\ntoday / old, fit + evidence + predictive (time; |Δ log det| / |log det|, "
-              "|Δ Σ var| / Σ var: the same numbers)")
+        print(f"\ntoday / old, fit + evidence + predictive (best of {args.rounds} rounds' totals; "
+              "|Δ log det| / |log det|, |Δ Σ var| / Σ var: the same numbers)")
         for k in (int(v) for v in args.k.split(",")):
             (t_old, ld_old, fv_old), (t_new, ld_new, fv_new) = results[(args.old, k)], results[(None, k)]
             print(f"K = {k}: {t_new / t_old:.2f}x time; {abs(ld_new - ld_old) / abs(ld_old):.1e}; "
