@@ -588,3 +588,73 @@ def test_enable_backprop_gradients_equal_laplace_torchs(task, independent):
             value = (out * torch.arange(3.0, dtype=F64)).sum()
         grads.append(torch.autograd.grad(value, xx)[0])
     torch.testing.assert_close(grads[0], grads[1], rtol=RTOL, atol=1e-12)
+
+
+# ---------------------------------------------------------------------- the streamed form
+
+
+@pytest.fixture
+def streamed(monkeypatch):
+    """Every fit takes the streamed form (``J_M`` recomputed in blocks of a few points, as for
+    a network too large to keep it)."""
+    from pyro_subspace.infer.laplace.posteriors import functional
+
+    monkeypatch.setattr(functional, "MAX_JACOBIAN_BYTES", 0)
+    monkeypatch.setattr(functional, "STREAM_BLOCK_BYTES", 8 * 3 * 60 * 4)  # ~4 points a block
+
+
+@pytest.mark.parametrize("subset,task,independent", CASES)
+def test_streamed_form_equals_the_oracle(streamed, subset, task, independent):
+    """With ``J_M`` recomputed block by block (``K_MM`` one block against every later one at
+    the fit, ``K*M`` per prediction): the same predictive and evidence as the dense oracle."""
+    net, x, y, xt = problem(task)
+    la = ours(net, task, subset, independent, x, y)
+    assert la.guide.posterior.streamed and la.guide.posterior.jac.numel() == 0
+    _, f_var = _moments(la, task, xt)
+    _, want = oracle_moments(net, task, subset, independent, x, y, xt)
+    torch.testing.assert_close(f_var, want, rtol=RTOL, atol=1e-12)
+    want = oracle_evidence(net, task, subset, independent, x, y)
+    assert float(la.log_marginal_likelihood()) == pytest.approx(float(want), rel=RTOL)
+
+
+def test_streamed_form_tunes_persists_and_refuses_the_weight_space(streamed):
+    net, x, y, xt = problem("classification")
+    la = ours(net, "classification", "all", False, x, y)
+    la.optimize_prior_precision()  # laplace-torch's schedule through the streamed kernel
+    lam = float(la.prior_precision)
+    _, want = oracle_moments(net, "classification", "all", False, x, y, xt, lam=lam)
+    torch.testing.assert_close(la._glm_moments(xt)[1], want, rtol=RTOL, atol=1e-12)
+    fresh = infer.Laplace(net, "classification", "all", "gp", n_subset=M, seed=SEED)
+    fresh.load_state_dict(la.state_dict())
+    torch.testing.assert_close(fresh(xt), la(xt), rtol=RTOL, atol=1e-12)  # attaches the model
+    for read in (lambda: la.posterior_covariance, lambda: la.sample(2)):
+        with pytest.raises(ValueError, match="n_subset: the subset's Jacobians were too large"):
+            read()
+    with pytest.raises(ValueError, match="a prior precision per weight"):
+        la.log_marginal_likelihood(torch.full((la.n_params,), 0.5, dtype=F64))
+
+
+def test_streamed_calibration_example_equals_laplace_torch(streamed, monkeypatch):
+    """laplace-torch's calibration example (the CNN above, float64) in the streamed form."""
+    from pyro_subspace.infer.laplace.posteriors import functional
+
+    laplace = pytest.importorskip("laplace")
+    monkeypatch.setattr(functional, "STREAM_BLOCK_BYTES", 8 * 10 * 802 * 4)  # 4 of the 20 points
+    torch.manual_seed(7777)
+    model = SmallCNN().to(F64)
+    loader = DataLoader(
+        TensorDataset(torch.randn(60, 1, 8, 8, dtype=F64), torch.randint(0, 10, (60,))),
+        batch_size=25, shuffle=True,
+    )  # fmt: skip
+    xt = torch.randn(30, 1, 8, 8, dtype=F64)
+    probs = []
+    for door in (laplace.Laplace, infer.Laplace):
+        la = door(
+            model, "classification", subset_of_weights="all", hessian_structure="gp",
+            independent_outputs=True, n_subset=20, prior_precision=2.2,
+        )  # fmt: skip
+        la.fit(loader)
+        with torch.no_grad():
+            probs.append(la(xt))
+    assert la.guide.posterior.streamed
+    torch.testing.assert_close(probs[1], probs[0], rtol=RTOL, atol=1e-12)

@@ -45,13 +45,20 @@ The evidence (`log_evidence`) is laplace-torch 0.3's ``FunctionalLaplace.log_mar
 (``SSE_M`` and ``log p(y_M | f)`` over the subset, the normaliser over all ``N`` points, as
 laplace-torch writes it), differentiable in ``λ`` and ``σ``.
 
-Memory: ``J_M`` ``(M·O, K)`` float64 and two ``(M·O, M·O)`` matrices; a fit whose ``J_M`` would
-take more than `MAX_JACOBIAN_BYTES` is refused before any work, naming ``n_subset``.
+Memory: ``J_M`` ``(M·O, K)`` float64 and two ``(M·O, M·O)`` matrices. Where ``J_M`` would
+take more than `MAX_JACOBIAN_BYTES` (a large network: laplace-torch's calibration example has
+about 900k weights), it is not kept: the subset's inputs are (``subset_inputs``, a tensor), and
+``J_M`` is recomputed block by block (`STREAM_BLOCK_BYTES` each) where it is needed, as
+laplace-torch does: ``K_MM`` at the fit (one block against every later block), ``K*M`` at each
+prediction. That *streamed* form needs the model (the guide's, attached at the fit and at each
+`linearized_outputs`), a shared ``λ`` and no weight-space ``(K, K)`` answer. A kernel
+``(M·O, M·O)`` beyond `MAX_KERNEL_BYTES` is refused before any work, naming ``n_subset``.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -68,11 +75,19 @@ from .base import Posterior, PriorPrecision
 #: before any work, naming ``n_subset`` (laplace-torch recomputes ``J_M`` at every prediction
 #: instead; here it is kept, so predictions cost no pass over the subset)
 MAX_JACOBIAN_BYTES = 4 * 2**30
+#: the most bytes one recomputed block of ``J_M`` takes in the streamed form (256 MiB)
+STREAM_BLOCK_BYTES = 256 * 2**20
+#: the most bytes the ``(M·O, M·O)`` kernel may take (2 GiB: ``M·O ≤ 16384``); the fit keeps it
+#: and its Cholesky factor, so a larger subset is refused before any work, naming ``n_subset``
+MAX_KERNEL_BYTES = 2 * 2**30
 #: laplace-torch's regulariser of the classification evidence's scatter term
 #: ``μᵀ(K_MM + εI)⁻¹μ`` (``FunctionalLaplace.scatter``'s ``eps``)
 SCATTER_EPS = 1e-5
 #: the buffers a fit or `set_prior` replaces (never written in place)
-BUFFERS = ("jac", "hess", "mean_offset", "subset", "stats", "prior_variance", "factor")
+BUFFERS = (
+    "jac", "hess", "mean_offset", "subset", "stats", "prior_variance", "factor",
+    "subset_inputs", "raw_gram", "fit_point",
+)  # fmt: skip
 #: the fit's scalars in the ``stats`` buffer, in order
 STATS = ("num_data", "num_outputs", "subset_loglik", "subset_sse", "regression")
 
@@ -169,7 +184,12 @@ class FunctionalPosterior(Posterior):
         self.register_buffer("stats", torch.zeros(len(STATS), **f64))  # `STATS`
         self.register_buffer("prior_variance", torch.zeros(0, **f64))  # S (K,): 1/λ_eff
         self.register_buffer("factor", torch.zeros(0, 0, **f64))  # chol(W K_MM W + T I)
+        # the streamed form (J_M not kept): the subset's inputs, J_M J_Mᵀ and t at the fit
+        self.register_buffer("subset_inputs", torch.zeros(0, **f64))
+        self.register_buffer("raw_gram", torch.zeros(0, 0, **f64))
+        self.register_buffer("fit_point", torch.zeros(dim, **f64))
         self.__dict__["_gram_cache"] = None
+        self.__dict__["_model"] = None  # a weakref to the guide's SubspaceNet (streamed J_M)
 
     def extra_repr(self) -> str:
         return (
@@ -197,7 +217,57 @@ class FunctionalPosterior(Posterior):
     @property
     def fitted_rows(self) -> int:
         """``R = M·O``, the kernel's rows (0 before a fit)."""
-        return self.jac.shape[0]
+        return self.hess.shape[0]
+
+    @property
+    def streamed(self) -> bool:
+        """Whether ``J_M`` is recomputed where needed instead of kept (module docstring)."""
+        return self.fitted_rows > 0 and self.jac.shape[0] == 0
+
+    def _refuse_streamed(self, what: str) -> None:
+        if self.streamed:
+            raise ValueError(
+                f"n_subset: the subset's Jacobians were too large to keep (more than "
+                f"{MAX_JACOBIAN_BYTES / 2**30:.0f} GiB), so {what} is not available; the "
+                "function-space predictive and the evidence with one prior precision are, or "
+                "pass a smaller n_subset"
+            )
+
+    def _subset_blocks(self, first_point: int = 0):
+        """``(start, J_block (b·O, K))`` float64 over ``J_M``'s rows from the point
+        ``first_point`` on: the kept ``J_M``, or in the streamed form blocks of ``b`` points
+        (`STREAM_BLOCK_BYTES`) recomputed from ``subset_inputs`` at ``t`` of the fit, each by
+        one complete call of the subspace's Jacobians (so two of these generators may run
+        interleaved)."""
+        o = self.num_outputs
+        if not self.streamed:
+            yield first_point * o, self.jac[first_point * o :]
+            return
+        ref = self.__dict__.get("_model")
+        model = None if ref is None else ref()
+        if model is None:
+            raise RuntimeError(
+                "FunctionalPosterior: its subset's Jacobians are recomputed with the model, "
+                "which a loaded state does not carry: predict once with la(x) (or "
+                "linearized_moments), which attaches it"
+            )
+        sub = model.subspace
+        w = sub.weights(self.fit_point.to(sub.shift)).detach()
+        flat = FlatNet(model.flat.net, batch_strategy="loop")
+        points = max(1, STREAM_BLOCK_BYTES // (8 * o * self.dim))
+        m = self.subset_inputs.shape[0]
+        for i0 in range(first_point, m, points):
+            inputs = self.subset_inputs[i0 : min(i0 + points, m)]
+            if inputs.is_floating_point():
+                inputs = inputs.to(sub.shift.dtype)
+            parts = [jp for _, jp in sub.jacobian_blocks(flat, inputs, w, points)]
+            yield i0 * o, torch.cat(parts).detach().double().reshape(-1, self.dim)
+
+    def linearized_outputs(self, model, x, w, chunk_size, diagonal=False):
+        """`Posterior.linearized_outputs`, with ``model`` attached first (the streamed form
+        recomputes ``J_M`` with it)."""
+        self.__dict__["_model"] = weakref.ref(model)
+        return super().linearized_outputs(model, x, w, chunk_size, diagonal)
 
     @property
     def num_outputs(self) -> int:
@@ -249,33 +319,67 @@ class FunctionalPosterior(Posterior):
         sub, lik = model.subspace, model.likelihood
         w = sub.weights(t.to(sub.shift)).detach()
         probe = model.outputs(t.to(sub.shift), batching.take(x, slice(0, 1)))
-        need = 8 * m * probe.shape[-1] * self.dim
-        if need > MAX_JACOBIAN_BYTES:
+        o = probe.shape[-1]
+        kernel_bytes = 8 * (m * o) ** 2
+        if kernel_bytes > MAX_KERNEL_BYTES:
             raise ValueError(
-                f"n_subset: the subset's Jacobian ({m} points x {probe.shape[-1]} outputs x "
-                f"{self.dim:,} weights) takes {need / 2**30:.1f} GiB, more than "
-                f"{MAX_JACOBIAN_BYTES / 2**30:.0f} GiB; pass a smaller n_subset or "
-                "subset_of_weights='last_layer'"
+                f"n_subset: the GP kernel over {m} points x {o} outputs takes "
+                f"{kernel_bytes / 2**30:.1f} GiB, more than {MAX_KERNEL_BYTES / 2**30:.0f} GiB; "
+                "pass a smaller n_subset"
+            )
+        streamed = 8 * m * o * self.dim > MAX_JACOBIAN_BYTES
+        if streamed and not isinstance(x, torch.Tensor):
+            raise ValueError(
+                f"n_subset: the subset's Jacobian ({m} points x {o} outputs x {self.dim:,} "
+                f"weights) takes {8 * m * o * self.dim / 2**30:.1f} GiB, more than "
+                f"{MAX_JACOBIAN_BYTES / 2**30:.0f} GiB, and inputs that are a mapping cannot "
+                "be kept to recompute it; pass a smaller n_subset"
             )
         flat = FlatNet(model.flat.net, batch_strategy="loop")
         chunk = getattr(data, "chunk_size", 1024)
-        outs, jacs = [], []
-        for out, jp in sub.jacobian_blocks(flat, x, w, chunk):
-            outs.append(out), jacs.append(jp)
-        f, jac = torch.cat(outs), torch.cat(jacs)  # shape: (M, O), (M, O, K)
+        d = (t.double() - model.prior_loc.double().to(t.device))  # t* − m₀
+        if streamed:  # J_M in blocks: K_MM one block against every later one, μ per block
+            with torch.no_grad():
+                f = model.outputs(t.to(sub.shift), x)
+            self.fit_point = t.detach().double().clone()
+            self.subset_inputs = x.detach().clone()
+            self.jac = torch.zeros(0, self.dim, dtype=torch.float64, device=self.stats.device)
+            self.hess = torch.zeros(m * o, dtype=torch.float64, device=self.stats.device)
+            self.stats = self.stats.clone()
+            self.stats[STATS.index("num_outputs")] = o
+            self.__dict__["_model"] = weakref.ref(model)
+            gram = torch.zeros(m * o, m * o, dtype=torch.float64, device=self.stats.device)
+            offsets = []
+            for i, a in self._subset_blocks():
+                offsets.append(a @ d)
+                for j, b in self._subset_blocks(first_point=i // o):  # this block and later
+                    gram[i : i + a.shape[0], j : j + b.shape[0]] = a @ b.T
+                    gram[j : j + b.shape[0], i : i + a.shape[0]] = b @ a.T
+            jac, offset = None, torch.cat(offsets)
+        else:
+            outs, jacs = [], []
+            for out, jp in sub.jacobian_blocks(flat, x, w, chunk):
+                outs.append(out), jacs.append(jp)
+            f, jac = torch.cat(outs), torch.cat(jacs)  # shape: (M, O), (M, O, K)
+            jac = jac.double().reshape(-1, self.dim)  # (R, K)
+            offset = jac @ d  # J_M (t* − m₀)
         y = lik.validate(f, y.to(f.device))
         with torch.no_grad():
             loglik = float(lik.log_prob_prepared(f, y).double().sum())
             sse, _ = lik.residual_statistics(f, y)
             hess = lik.output_hessian(f).diagonal(dim1=-2, dim2=-1).double()  # (M, O)
         regression = bool(lik.noise_scale_tunable)
-        jac = jac.double().reshape(-1, self.dim)  # (R, K)
-        offset = jac @ (t.double() - model.prior_loc.double().to(t.device))  # J_M (t* − m₀)
         if regression:  # μ = y − (f + J_M(m₀ − t*))
             offset = offset + (y.reshape(f.shape) - f).double().reshape(-1)
-        o = f.shape[-1]
         self.temperature.fill_(evaluator.temperature)
-        self.jac, self.hess, self.mean_offset = jac.detach(), hess.reshape(-1), offset.detach()
+        if streamed:
+            self.raw_gram = self._masked((gram + gram.T) / 2)
+        else:
+            self.jac = jac.detach()
+            self.subset_inputs = torch.zeros(0, dtype=torch.float64, device=self.stats.device)
+            self.raw_gram = torch.zeros(0, 0, dtype=torch.float64, device=self.stats.device)
+            self.fit_point = t.detach().double().clone()
+        self.hess, self.mean_offset = hess.reshape(-1), offset.detach()
         self.subset = index.to(self.stats.device)
         self.stats = torch.tensor(
             [num_data, o, loglik, sse, float(regression)], dtype=torch.float64,
@@ -308,9 +412,10 @@ class FunctionalPosterior(Posterior):
     def _kernel_factor(self, eff: PriorPrecision) -> tuple[torch.Tensor, torch.Tensor]:
         """``S`` ``(K,)`` and ``chol(W K_MM W + T I)`` ``(R, R)`` for the effective prior
         ``eff``."""
-        s = (1.0 / eff.diagonal().detach()).to(self.jac)
-        a = self.jac * self.hess.sqrt()[:, None]  # W J_M
-        c = self._masked((a * s) @ a.T)
+        eff = PriorPrecision(eff.lam.detach(), eff.gram, eff.dim)
+        s = (1.0 / eff.diagonal()).to(self.hess)
+        w = self.hess.sqrt()
+        c = w[:, None] * self.kernel(eff) * w[None, :]  # W K_MM W (masked)
         c.diagonal().add_(float(self.temperature))
         return s, cholesky((c + c.T) / 2, "GP kernel W K_MM W + T I")
 
@@ -350,7 +455,10 @@ class FunctionalPosterior(Posterior):
         return k * (ca[:, None] == cb[None, :])
 
     def _raw_gram(self) -> torch.Tensor:
-        """``J_M J_Mᵀ`` ``(R, R)`` (masked), cached for a shared ``λ``."""
+        """``J_M J_Mᵀ`` ``(R, R)`` (masked), cached for a shared ``λ`` (the fit's in the streamed
+        form)."""
+        if self.streamed:
+            return self.raw_gram
         key = (self.jac.data_ptr(), self.jac._version, self.jac.shape)
         cached = self.__dict__.get("_gram_cache")
         if cached is None or cached[0] != key:
@@ -363,6 +471,7 @@ class FunctionalPosterior(Posterior):
         (`effective_prior`), differentiable in its ``λ``."""
         if prior.lam.dim() == 0 and prior.gram is None:
             return self._raw_gram() / prior.lam
+        self._refuse_streamed("a prior precision per weight (laplace-torch's is one number)")
         s = 1.0 / prior.diagonal()
         k = self._masked((self.jac * s) @ self.jac.T)
         return (k + k.T) / 2
@@ -380,10 +489,18 @@ class FunctionalPosterior(Posterior):
                 raise RuntimeError("FunctionalPosterior: call set_prior first")
             s, factor = self.prior_variance, self.factor
         n, p, k = jp.shape
-        jp = jp.to(self.jac)
+        jp = jp.to(self.hess)
         js = jp * s
         flat = js.reshape(n * p, k)
-        if self.independent_outputs:
+        if self.streamed:  # J_M block by block, recomputed (laplace-torch's cost per batch)
+            ksm = flat.new_zeros(n * p, self.fitted_rows)
+            for start, block in self._subset_blocks():
+                ksm[:, start : start + block.shape[0]] = flat @ block.T
+            if self.independent_outputs:
+                c_test = self._output_of_rows(p).repeat(n)
+                c_train = self._output_of_rows(self.fitted_rows)
+                ksm = ksm * (c_test[:, None] == c_train[None, :])
+        elif self.independent_outputs:
             o, r = self.num_outputs, self.fitted_rows
             train = self.jac.view(r // o, o, k)  # row m·O + c
             c_test = self._output_of_rows(p).repeat(n)
@@ -479,6 +596,7 @@ class FunctionalPosterior(Posterior):
         """``B = L⁻¹ W J_M S`` ``(R, K)``: ``Σ = S − BᵀB``."""
         self._check_fitted()
         self._weight_space("the weight-space posterior")
+        self._refuse_streamed("the weight-space posterior (K, K)")
         if self.prior_variance.numel() == 0:
             raise RuntimeError("FunctionalPosterior: call set_prior first")
         a = self.jac * self.hess.sqrt()[:, None] * self.prior_variance
@@ -494,6 +612,7 @@ class FunctionalPosterior(Posterior):
         """``Σ⁻¹ = J_Mᵀ diag(h) J_M / T + Λ₀'`` ``(K, K)``."""
         self._check_fitted()
         self._weight_space("the weight-space precision")
+        self._refuse_streamed("the weight-space precision (K, K)")
         p = self.curvature() / float(self.temperature)
         return p + torch.diag(1.0 / self.prior_variance)
 
@@ -501,6 +620,7 @@ class FunctionalPosterior(Posterior):
         """``C̃ = J_Mᵀ diag(h) J_M`` ``(K, K)``, untempered."""
         self._check_fitted()
         self._weight_space("the weight-space curvature")
+        self._refuse_streamed("the weight-space curvature (K, K)")
         a = self.jac * self.hess.sqrt()[:, None]
         c = a.T @ a
         return (c + c.T) / 2
