@@ -75,8 +75,11 @@ from .base import Posterior, PriorPrecision
 #: before any work, naming ``n_subset`` (laplace-torch recomputes ``J_M`` at every prediction
 #: instead; here it is kept, so predictions cost no pass over the subset)
 MAX_JACOBIAN_BYTES = 4 * 2**30
-#: the most bytes one recomputed block of ``J_M`` takes in the streamed form (256 MiB)
-STREAM_BLOCK_BYTES = 256 * 2**20
+#: the most bytes one recomputed block of ``J_M`` takes in the streamed form (1 GiB: 15 points
+#: of laplace-torch's calibration CNN, ~900k weights and 10 classes; two blocks are alive at
+#: once at the fit; the fit recomputes ``(M/b)²/2`` blocks of ``b`` points, as laplace-torch
+#: does with its loader's batches)
+STREAM_BLOCK_BYTES = 2**30
 #: the most bytes the ``(M·O, M·O)`` kernel may take (2 GiB: ``M·O ≤ 16384``); the fit keeps it
 #: and its Cholesky factor, so a larger subset is refused before any work, naming ``n_subset``
 MAX_KERNEL_BYTES = 2 * 2**30
