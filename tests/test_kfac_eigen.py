@@ -397,3 +397,39 @@ def test_a_dataloader_gives_the_tensors_subspace():
         assert torch.allclose(a.eigenvalues, b.eigenvalues, rtol=1e3 * EPS)
         pa, pb = a.dense_basis(), b.dense_basis()
         assert torch.allclose(pa @ pa.T, pb @ pb.T, atol=1e-9)
+
+
+def _cnn_reflect():
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=2, dilation=2, padding_mode="reflect"), nn.ReLU(inplace=True),
+        nn.Conv2d(3, 2, 2, stride=2), nn.Flatten(), nn.Linear(2 * 2 * 2, 4),
+    )  # fmt: skip
+    return net.double(), (24, 2, 4, 4)
+
+
+@pytest.mark.parametrize(
+    "make, options",
+    [(_cnn, {}), (_cnn, {"bias": "augment"}), (_cnn_reflect, {}), (_mlp, {"bias": "augment"})],
+    ids=["cnn", "cnn-augment", "reflect-dilated-inplace", "mlp-augment"],
+)
+def test_ekfac_one_pass_equals_the_brute_force_quotients(make, options, monkeypatch):
+    """The hooked pass (inputs projected by a convolution with ``u`` as kernel, columns by
+    ``v``) gives ``pᵀ G p`` of the brute-force GGN, without forward-mode products."""
+    from pyro_subspace.subspaces import ekfac
+
+    def no_jvp(*args, **kwargs):
+        raise AssertionError("the forward-mode fallback ran")
+
+    monkeypatch.setattr(ekfac, "ggn_in_subspace", no_jvp)
+    net, shape = make()
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    lik = likelihoods.Categorical()
+    d = sum(p.numel() for p in net.parameters())
+    sub = subspaces.kfac_eigen(net, lik, x, 10, eigenvalues="ekfac", candidates=min(30, d),
+                               chunk_size=7, **options)  # fmt: skip
+    p = sub.dense_basis()
+    quotients = torch.einsum("dk,de,ek->k", p, brute_force_ggn(net, lik, x), p)
+    scale = float(quotients.max())
+    assert torch.allclose(sub.eigenvalues, quotients, rtol=1e3 * EPS, atol=1e3 * EPS * scale)
+    assert (sub.eigenvalues[:-1] >= sub.eigenvalues[1:]).all()

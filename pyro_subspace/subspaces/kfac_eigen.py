@@ -19,12 +19,13 @@ import torch
 from torch import nn
 
 from .. import validation as ck
-from ..curvature import ggn_in_subspace, kfac
+from ..curvature import kfac
 from ..curvature.kfac import BIASES, CONVS, FISHERS
 from ..flat import FlatNet, preserved
 from ..likelihoods import Likelihood, check_likelihood
 from ..threads import thread_policy
 from ..validation import check_finite_state
+from .ekfac import ekfac_eigenvalues
 from .kronecker import KroneckerSubspace
 
 #: ``eigenvalues`` choices: K-FAC's ``μ_i λ_j``, or EK-FAC's re-estimates ``p_kᵀ G p_k``.
@@ -69,9 +70,10 @@ def kfac_eigen(
             (written into the network for the K-FAC pass and put back afterwards).
         eigenvalues: ``"kfac"``: ``μ_i λ_j``; ``"ekfac"``: each chosen direction's eigenvalue
             re-estimated as ``p_kᵀ G p_k = Σ_n Σ_c (p_kᵀ J_nᵀ L_{n,c})²`` (EK-FAC, George et
-            al. 2018, eq. 9) by one more pass over the data (``K`` forward-mode products per
-            chunk, `curvature.ggn_in_subspace`), the columns then re-ordered by it. The
-            directions are the same.
+            al. 2018, eq. 9) by one more pass over the data (`ekfac.ekfac_eigenvalues`: a
+            forward and ``C`` backward passes per chunk, the per-example gradients projected
+            onto each ``v``, ``u``; ``K`` forward-mode products where a layer's rows are not the
+            data points), the columns then re-ordered by it. The directions are the same.
         conv: K-FAC's weight-sharing convention (``"expand"``, ``"reduce"``, ``"backpack"``;
             `curvature.kfac`).
         bias: ``"separate"`` (a bias block ``G`` of its own) or ``"augment"`` (``[W | b]``).
@@ -120,12 +122,17 @@ def kfac_eigen(
     ck.check_data(net, x, dtype=None if w is None else w.dtype)
     w = flat.vector() if w is None else w.detach()
 
-    with preserved(net, modes=False, weights=True):  # the K-FAC pass reads the net's weights
+    with preserved(net, modes=False, weights=True):  # the passes read the net's own weights
         with torch.no_grad():  # in place (`FlatNet.load_vector` would alias ``w``'s storage)
             for p, part in zip(flat.params, w.split([p.numel() for p in flat.params])):
                 p.copy_(part.view_as(p))
         factors = kfac(net, likelihood, x, conv=conv, bias=bias, fisher=fisher,
                        mc_samples=mc_samples, chunk_size=chunk_size, dtype=torch.float64)  # fmt: skip
+        return _select(net, likelihood, x, w, factors, rank, eigenvalues, candidates, chunk_size)
+
+
+def _select(net, likelihood, x, w, factors, rank, eigenvalues, candidates, chunk_size):
+    """The top directions of the factors' Kronecker eigenbases (re-estimated for ``"ekfac"``)."""
     pool = rank if candidates is None else candidates
     values, picks = [], []  # per block: its candidate eigenvalues and how to build each
     for b, block in enumerate(factors.blocks):
@@ -150,7 +157,7 @@ def kfac_eigen(
         return _subspace(w, factors, chosen, best.values.clamp_min(0))
     # EK-FAC: p_kᵀ G p_k of every candidate (the diagonal of the GGN in their span), the top kept
     sub = _subspace(w, factors, chosen, best.values.clamp_min(0))
-    s = ggn_in_subspace(net, likelihood, x, sub, chunk_size, w=w).diagonal().clamp_min(0)
+    s = ekfac_eigenvalues(net, likelihood, x, factors, chosen, sub, chunk_size).clamp_min(0)
     order = torch.argsort(s.double(), descending=True, stable=True)[:rank].tolist()
     return _subspace(w, factors, [chosen[i] for i in order], s[order])
 
