@@ -1086,8 +1086,8 @@ def compare(results: dict[str, dict]) -> dict[str, float]:
 
 #: (row, port, dtype, keyword arguments, the headline number, numbers not compared and why)
 ROWS = [
-    ("regression_example", regression_example, F64, {}, "prior precision", {}),
-    ("regression_example", regression_example, F32, {}, "prior precision", {}),
+    ("regression_example", regression_example, F64, {"n_epochs_marglik": 200}, "prior precision", {}),
+    ("regression_example", regression_example, F32, {"n_epochs_marglik": 200}, "prior precision", {}),
     ("reward_modeling_example", reward_modeling_example, F64, {}, "pred_var", {}),
     ("reward_modeling_example", reward_modeling_example, F32, {}, "pred_var", {}),
     ("calibration_example", calibration_example, F64, {}, "Laplace NLL", {}),
@@ -1106,7 +1106,7 @@ ROWS = [
         "loop: sigma": "its loop follows that gradient", "loop: prior precision": "",
         "loop: neg_marglik": "", "la(x_test)": ""}),
     ("docs marginal likelihood (LL K-FAC)", docs_marginal_likelihood, F32, {}, "ml", {
-        "d ml / d obs_noise": "", "loop: sigma": "", "loop: prior precision": "",
+        "d ml / d obs_noise": "as in float64", "loop: sigma": "", "loop: prior precision": "",
         "loop: neg_marglik": "", "la(x_test)": ""}),
     ("docs subnetwork", docs_subnetwork, F64, {}, "posterior covariance", {}),
     ("docs subnetwork", docs_subnetwork, F32, {}, "posterior covariance", {}),
@@ -1140,7 +1140,9 @@ def main(argv=None) -> int:
     print(f"# torch {torch.__version__}, laplace-torch {getattr(laplace, '__version__', '0.3')}, "
           f"torch.get_num_threads() = {torch.get_num_threads()}, {platform.machine()}; uptime: {load}")
     print("# each script run twice in one process (laplace-torch, then ours), the scripts' settings")
-    print("# unless stated (python benchmarks/laplace_torch_examples.py)")
+    print("# (the regression example's marglik_training 200 epochs of its 1000, so the table runs")
+    print("# in minutes; bayesopt 3 BO steps of 500 on 1000 test points of 10,000; calibration_gp")
+    print("# m = 50, 200 of 200 points) (python benchmarks/laplace_torch_examples.py)")
     print()
     head = f"{'script':38s} {'dtype':7s} {'number':24s} {'ours':>22s} {'laplace-torch':>22s} {'max rel diff':>12s}  status"
     print(head)
@@ -1175,6 +1177,15 @@ def main(argv=None) -> int:
                 if v > tol:
                     notes.append(f"{name} ({str(dtype)[6:]}): '{k}' rel diff {v:.1e}")
     print()
+    print("# note 1: the float32 regression example cannot agree to 1e-4 with any implementation that")
+    print("# does not reproduce laplace-torch's float32 rounding: its full GGN (151 weights) has most of")
+    print("# its spectrum near 0, where float32 sums err by ~eps*||G||; laplace-torch's own float32")
+    print("# lambda is 2.3e-3 from its float64 lambda on the same weights (ours 3.1e-3; the test")
+    print("# test_float32_curvature_and_evidence_as_accurate_as_laplace_torch checks ours is as")
+    print("# accurate); marglik_training's final sigma, lambda, evidence are within 1e-2 (issue 36 (b)).")
+    print("# The loop on the docs' K-FAC (rows 'docs marginal likelihood') is not compared: laplace-torch's")
+    print("# K-FAC evidence is not differentiated in sigma through its log-determinant (autograd -273.3,")
+    print("# its own central difference -230.3; ours -230.3), so its loop follows another gradient.")
     for n in notes:
         print("#", n)
     return 0
