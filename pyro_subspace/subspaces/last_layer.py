@@ -123,7 +123,8 @@ class LastLayerSubspace(IndexSubspace):
             not reproduce the network's outputs (`feature_reduction.faithful`; a warning
             says so); the fit's GGN is the closed form on the rows where it does and the
             network's exact GGN elsewhere (laplace-torch's default curvlinops backend forms
-            the exact GGN for ``"full"`` too).
+            the exact GGN for ``"full"`` and K-FAC of the layer's own inputs for ``"kron"``
+            too, but the ``"diag"`` GGN from the reduced features: there the two differ).
 
     ``rows`` ``(C, P̃)`` gives, for each output ``c``, the coordinates of ``[W_c, b_c]``
     (``P̃ = P + 1`` with a bias). Persistence: build ``LastLayerSubspace(net, ...)`` again
