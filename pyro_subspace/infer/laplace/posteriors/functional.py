@@ -45,7 +45,9 @@ The evidence (`log_evidence`) is laplace-torch 0.3's ``FunctionalLaplace.log_mar
 (``SSE_M`` and ``log p(y_M | f)`` over the subset, the normaliser over all ``N`` points, as
 laplace-torch writes it), differentiable in ``λ`` and ``σ``.
 
-Memory: ``J_M`` ``(M·O, K)`` float64 and two ``(M·O, M·O)`` matrices. Where ``J_M`` would
+Memory: ``J_M`` ``(M·O, K)`` float64 and two ``(M·O, M·O)`` matrices (with
+``independent_outputs`` one ``(M, M)`` block per output: ``O`` times less, and ``O²`` times
+fewer multiplications for the factor). Where ``J_M`` would
 take more than `MAX_JACOBIAN_BYTES` (a large network: laplace-torch's calibration example has
 about 900k weights), it is not kept: the subset's inputs are (``subset_inputs``, a tensor), and
 ``J_M`` is recomputed block by block (`STREAM_BLOCK_BYTES` each) where it is needed, as
@@ -323,10 +325,11 @@ class FunctionalPosterior(Posterior):
         w = sub.weights(t.to(sub.shift)).detach()
         probe = model.outputs(t.to(sub.shift), batching.take(x, slice(0, 1)))
         o = probe.shape[-1]
-        kernel_bytes = 8 * (m * o) ** 2
+        kernel_bytes = 8 * m * m * (o if self.independent_outputs else o * o)
         if kernel_bytes > MAX_KERNEL_BYTES:
             raise ValueError(
-                f"n_subset: the GP kernel over {m} points x {o} outputs takes "
+                f"n_subset: the GP kernel over {m} points x {o} outputs "
+                f"({'one per output' if self.independent_outputs else 'joint'}) takes "
                 f"{kernel_bytes / 2**30:.1f} GiB, more than {MAX_KERNEL_BYTES / 2**30:.0f} GiB; "
                 "pass a smaller n_subset"
             )
@@ -351,13 +354,20 @@ class FunctionalPosterior(Posterior):
             self.stats = self.stats.clone()
             self.stats[STATS.index("num_outputs")] = o
             self.__dict__["_model"] = weakref.ref(model)
-            gram = torch.zeros(m * o, m * o, dtype=torch.float64, device=self.stats.device)
+            shape = (o, m, m) if self.independent_outputs else (m * o, m * o)
+            gram = torch.zeros(shape, dtype=torch.float64, device=self.stats.device)
             offsets = []
             for i, a in self._subset_blocks():
                 offsets.append(a @ d)
                 for j, b in self._subset_blocks(first_point=i // o):  # this block and later
-                    gram[i : i + a.shape[0], j : j + b.shape[0]] = a @ b.T
-                    gram[j : j + b.shape[0], i : i + a.shape[0]] = b @ a.T
+                    if self.independent_outputs:  # rows m·O + c: per output (O, b_a, b_b)
+                        pa, pb = i // o, j // o
+                        g = torch.einsum("pok,qok->opq", a.view(-1, o, self.dim), b.view(-1, o, self.dim))
+                        gram[:, pa : pa + g.shape[1], pb : pb + g.shape[2]] = g
+                        gram[:, pb : pb + g.shape[2], pa : pa + g.shape[1]] = g.mT
+                    else:
+                        gram[i : i + a.shape[0], j : j + b.shape[0]] = a @ b.T
+                        gram[j : j + b.shape[0], i : i + a.shape[0]] = b @ a.T
             jac, offset = None, torch.cat(offsets)
         else:
             outs, jacs = [], []
@@ -376,7 +386,7 @@ class FunctionalPosterior(Posterior):
             offset = offset + (y.reshape(f.shape) - f).double().reshape(-1)
         self.temperature.fill_(evaluator.temperature)
         if streamed:
-            self.raw_gram = self._masked((gram + gram.T) / 2)
+            self.raw_gram = (gram + gram.mT) / 2
         else:
             self.jac = jac.detach()
             self.subset_inputs = torch.zeros(0, dtype=torch.float64, device=self.stats.device)
@@ -417,10 +427,10 @@ class FunctionalPosterior(Posterior):
         ``eff``."""
         eff = PriorPrecision(eff.lam.detach(), eff.gram, eff.dim)
         s = (1.0 / eff.diagonal()).to(self.hess)
-        w = self.hess.sqrt()
-        c = w[:, None] * self.kernel(eff) * w[None, :]  # W K_MM W (masked)
-        c.diagonal().add_(float(self.temperature))
-        return s, cholesky((c + c.T) / 2, "GP kernel W K_MM W + T I")
+        w = self._by_output(self.hess.sqrt())
+        c = w[..., :, None] * self.kernel(eff) * w[..., None, :]  # W K_MM W
+        c.diagonal(dim1=-2, dim2=-1).add_(float(self.temperature))
+        return s, cholesky((c + c.mT) / 2, "GP kernel W K_MM W + T I")
 
     def functional_covariance_on_grid(self, blocks, prior_at, rows=None):
         """``λ ↦ K** − K*M (K_MM + T Λ⁻¹)⁻¹ K_M*`` ``(N, O, O)`` for the effective priors
@@ -450,34 +460,43 @@ class FunctionalPosterior(Posterior):
         """The output index ``(n,)`` of ``n`` consecutive rows (row ``i`` is output ``i mod O``)."""
         return torch.arange(n, device=self.jac.device) % self.num_outputs
 
-    def _masked(self, k: torch.Tensor) -> torch.Tensor:
-        """``k`` ``(a, b)`` with its cross-output entries zeroed (``independent_outputs``)."""
+    def _by_output(self, v: torch.Tensor) -> torch.Tensor:
+        """A row vector ``(R,)`` as the kernel holds it: itself, or with ``independent_outputs``
+        one row per output ``(O, M)`` (row ``m·O + c`` is ``[c, m]``)."""
         if not self.independent_outputs:
-            return k
-        ca, cb = self._output_of_rows(k.shape[0]), self._output_of_rows(k.shape[1])
-        return k * (ca[:, None] == cb[None, :])
+            return v
+        return v.view(-1, self.num_outputs).T
 
     def _raw_gram(self) -> torch.Tensor:
-        """``J_M J_Mᵀ`` ``(R, R)`` (masked), cached for a shared ``λ`` (the fit's in the streamed
-        form)."""
+        """``J_M J_Mᵀ`` ``(R, R)``, or with ``independent_outputs`` one ``(M, M)`` block per
+        output ``(O, M, M)`` (the cross-output entries are dropped: never formed); cached for a
+        shared ``λ`` (the fit's in the streamed form)."""
         if self.streamed:
             return self.raw_gram
         key = (self.jac.data_ptr(), self.jac._version, self.jac.shape)
         cached = self.__dict__.get("_gram_cache")
         if cached is None or cached[0] != key:
-            g = self._masked(self.jac @ self.jac.T)
-            self.__dict__["_gram_cache"] = cached = (key, (g + g.T) / 2)
+            if self.independent_outputs:
+                j3 = self.jac.view(-1, self.num_outputs, self.dim)
+                g = torch.einsum("mok,nok->omn", j3, j3)
+            else:
+                g = self.jac @ self.jac.T
+            self.__dict__["_gram_cache"] = cached = (key, (g + g.mT) / 2)
         return cached[1]
 
     def kernel(self, prior: PriorPrecision) -> torch.Tensor:
-        """``K_MM = J_M S J_Mᵀ`` ``(R, R)`` for the effective prior ``prior``
-        (`effective_prior`), differentiable in its ``λ``."""
+        """``K_MM = J_M S J_Mᵀ`` ``(R, R)`` (``(O, M, M)`` with ``independent_outputs``) for the
+        effective prior ``prior`` (`effective_prior`), differentiable in its ``λ``."""
         if prior.lam.dim() == 0 and prior.gram is None:
             return self._raw_gram() / prior.lam
         self._refuse_streamed("a prior precision per weight (laplace-torch's is one number)")
         s = 1.0 / prior.diagonal()
-        k = self._masked((self.jac * s) @ self.jac.T)
-        return (k + k.T) / 2
+        if self.independent_outputs:
+            j3 = self.jac.view(-1, self.num_outputs, self.dim)
+            k = torch.einsum("mok,k,nok->omn", j3, s, j3)
+        else:
+            k = (self.jac * s) @ self.jac.T
+        return (k + k.mT) / 2
 
     def _cross(
         self, jp: torch.Tensor, s=None, factor=None, diagonal: bool = False
@@ -523,6 +542,16 @@ class FunctionalPosterior(Posterior):
                 same = self._output_of_rows(p)
                 kss = kss * (same[:, None] == same[None, :])
         wk = ksm * self.hess.sqrt()  # (K*M W)
+        if self.independent_outputs:  # one (M, M) factor per output, V zero across outputs
+            o = self.num_outputs
+            c_test = self._output_of_rows(p).repeat(n)
+            wk3, v = wk.view(n * p, -1, o), torch.zeros_like(wk).view(n * p, -1, o)
+            for c in range(o):
+                rows = (c_test == c).nonzero()[:, 0]
+                if rows.numel():
+                    sol = torch.linalg.solve_triangular(factor[c], wk3[rows, :, c].T, upper=False)
+                    v[rows, :, c] = sol.T
+            return kss, v.reshape(n, p, -1)
         v = torch.linalg.solve_triangular(factor, wk.T, upper=False)  # (R, n·P)
         return kss, v.T.reshape(n, p, -1)
 
@@ -557,8 +586,8 @@ class FunctionalPosterior(Posterior):
         eff = self.effective_prior(prior)
         kernel = self.kernel(eff)
         temperature = float(self.temperature)
-        mu = self.mean_offset
-        eye = torch.eye(kernel.shape[0], dtype=kernel.dtype, device=kernel.device)
+        mu = self._by_output(self.mean_offset)  # (R,) or (O, M) as the kernel
+        eye = torch.eye(kernel.shape[-1], dtype=kernel.dtype, device=kernel.device)
         if self._stat("regression"):
             if sigma is None:
                 raise ValueError("sigma: the regression GP evidence needs the noise scale")
@@ -569,15 +598,15 @@ class FunctionalPosterior(Posterior):
                 torch.log(sigma * math.sqrt(2 * math.pi))
             )
             gram = kernel + noise * eye
-            log_det = logdet((gram + gram.mT) / 2, "GP kernel K_MM + σ² I")
+            log_det = logdet((gram + gram.mT) / 2, "GP kernel K_MM + σ² I").sum()
         else:
             data = torch.as_tensor(self._stat("subset_loglik") / temperature, dtype=torch.float64)
-            w = (self.hess / temperature).sqrt()
-            inner = w[:, None] * kernel * w[None, :] + eye
-            log_det = logdet((inner + inner.mT) / 2, "GP kernel I + W K_MM W / T")
+            w = self._by_output((self.hess / temperature).sqrt())
+            inner = w[..., :, None] * kernel * w[..., None, :] + eye
+            log_det = logdet((inner + inner.mT) / 2, "GP kernel I + W K_MM W / T").sum()
             gram = kernel + SCATTER_EPS * eye
         chol = cholesky((gram + gram.mT) / 2, "GP kernel of the scatter term")
-        half = torch.linalg.solve_triangular(chol, mu[:, None], upper=False)[:, 0]
+        half = torch.linalg.solve_triangular(chol, mu[..., None], upper=False)
         return data - (log_det + half.square().sum()) / 2
 
     # ------------------------------------------------------------------ moments
