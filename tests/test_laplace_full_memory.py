@@ -187,3 +187,40 @@ def test_root_rows_hold_nothing_when_the_points_will_exceed_the_limit():
     under = RootRows(18, points=6)  # 18 rows, at the limit: every block held
     assert list(under.tap(iter(blocks))) == [] and under.kept
     assert torch.equal(under.matrix(), torch.ones(18, 5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_guide_over_a_subnetwork_of_96_weights(dtype, monkeypatch):
+    """Through `AutoSubspaceLaplace` with ``N·C`` = 240 GGN rows > ``K`` = 96 (the formed
+    route): the covariance, the linearised predictive and draws against dense linear algebra on
+    the guide's GGN; the evidence from the factor equals the one from the GGN's eigenvalues."""
+    from torch import nn
+
+    from pyro_subspace import SubspaceNet, likelihoods, subspaces
+    from pyro_subspace.flat import FlatNet
+    from pyro_subspace.infer import AutoSubspaceLaplace, linearized_moments
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 24), nn.Tanh(), nn.Linear(24, 4)).to(dtype)
+    x = torch.randn(80, 4, dtype=dtype)
+    y = torch.randint(0, 4, (80,))
+    idx = torch.randperm(sum(p.numel() for p in net.parameters()))[:K]
+    sub = subspaces.subnetwork(net, strategy="indices", indices=idx)
+    la = AutoSubspaceLaplace(SubspaceNet(net, sub, likelihoods.Categorical()), prior_precision=0.8)
+    la.fit(x, y, find_map=False)
+    post = la.posterior
+    assert post.buffer_dtype == dtype and held(post) == {"ggn", "scale_tril"}
+    cov = torch.linalg.inv(la.ggn.double() / la.temperature + 0.8 * torch.eye(K, dtype=torch.float64))
+    _, f_cov = linearized_moments(la, x[:7])
+    w = sub.weights(la.loc).detach()
+    jac = torch.cat([j for _, j in sub.jacobian_blocks(FlatNet(net), x[:7], w, 64)]).double()
+    assert rel(f_cov, torch.einsum("nok,kl,npl->nop", jac, cov, jac)) < TOL[dtype]
+    draws = la.sample_weights(3, seed=1)
+    assert draws.shape == (3, w.numel()) and bool(torch.isfinite(draws).all())
+    assert held(post) == {"ggn", "scale_tril"}
+    monkeypatch.setattr(full, "FACTOR_LOG_DET_MIN_K", 64)
+    from_factor = float(la.log_marginal_likelihood())
+    monkeypatch.setattr(full, "FACTOR_LOG_DET_MIN_K", 10**9)
+    from_eigenvalues = float(la.log_marginal_likelihood())
+    assert abs(from_factor - from_eigenvalues) < TOL[dtype] * K * max(1.0, abs(from_eigenvalues))
+    assert rel(la.covariance, cov) < TOL[dtype]  # formed when read
