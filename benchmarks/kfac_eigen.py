@@ -87,7 +87,8 @@ def _bma(net, lik, sub, x, y, x_test, y_test, draws: int, warmup: int, chunk: in
 
 
 def run(width: int, n: int, rank: int, epochs: int, draws: int, warmup: int, tol: float,
-        chunk: int, kfac_only: tuple[float, float] | None = None) -> list[tuple]:  # fmt: skip
+        chunk: int, kfac_only: tuple[float, float] | None = None,
+        candidates: tuple[int, ...] = (3,)) -> list[tuple]:  # fmt: skip
     """All rows; with ``kfac_only = (reference sum of the top-K eigenvalues, ggn_eigen's time
     in epochs)`` from a full run on the same seeded network, only the kfac_eigen rows."""
     from pyro_subspace import FlatNet, fit_map, likelihoods, metrics, subspaces
@@ -112,9 +113,12 @@ def run(width: int, n: int, rank: int, epochs: int, draws: int, warmup: int, tol
         "kfac_eigen (K-FAC)": dict(),
         "kfac_eigen (MC Fisher, 1 sample)": dict(fisher="mc"),
         "kfac_eigen (EK-FAC eigenvalues)": dict(eigenvalues="ekfac"),
-        f"kfac_eigen (EK-FAC, top {rank} of {3 * rank} candidates)": dict(
-            eigenvalues="ekfac", candidates=3 * rank
-        ),
+        **{
+            f"kfac_eigen (EK-FAC, top {rank} of {c * rank} candidates)": dict(
+                eigenvalues="ekfac", candidates=c * rank
+            )
+            for c in candidates
+        },
     }
     subs, times, peaks = {}, {}, {}
     for name, opts in kinds.items():  # first round
@@ -190,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--tol", type=float, default=1e-2, help="reference Lanczos residual")
     parser.add_argument("--chunk", type=int, default=128)
+    parser.add_argument("--candidates", default="3",
+                        help="EK-FAC rows re-ranking c·K K-FAC directions, c comma-separated")
     parser.add_argument("--kfac-only", default=None, metavar="SUM,EPOCHS",
                         help="only the kfac_eigen rows, against the top-K eigenvalue sum and "
                         "ggn_eigen's epochs of a full run on the same seeded network")  # fmt: skip
@@ -207,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     for width in [int(w) for w in args.widths.split(",")]:
         only = tuple(float(v) for v in args.kfac_only.split(",")) if args.kfac_only else None
         rows += run(width, args.rows, args.rank, args.epochs, args.draws, args.warmup, args.tol,
-                    args.chunk, only)  # fmt: skip
+                    args.chunk, only, tuple(int(c) for c in args.candidates.split(",")))  # fmt: skip
     print("\n| subspace | width | D | time (s) | time (epochs) | / ggn_eigen time "
           "| top-K GGN mass captured | peak RSS (MB) | BMA test NLL | BMA test ECE |")
     print("|---|---|---|---|---|---|---|---|---|---|")
