@@ -224,3 +224,17 @@ def test_a_guide_over_a_subnetwork_of_96_weights(dtype, monkeypatch):
     from_eigenvalues = float(la.log_marginal_likelihood())
     assert abs(from_factor - from_eigenvalues) < TOL[dtype] * K * max(1.0, abs(from_eigenvalues))
     assert rel(la.covariance, cov) < TOL[dtype]  # formed when read
+
+
+def test_marglik_eigenvalues_in_the_buffers_dtype_where_float64_copies_do_not_fit(monkeypatch):
+    """Where two float64 copies of a float32 GGN do not fit under `MAX_BYTES`, the eigenvalues
+    are taken in float32 (one copy): within float32's eigensolver error ``K ε ‖G‖``."""
+    monkeypatch.setattr(full, "MAX_BYTES", 3 * 4 * K * K)  # two float32 fit, float64 copies not
+    post, _, c = fitted(torch.float32)
+    seen, eigvalsh = [], torch.linalg.eigvalsh
+    monkeypatch.setattr(torch.linalg, "eigvalsh", lambda a: seen.append(a.dtype) or eigvalsh(a))
+    got = post.ggn_eigenvalues()
+    assert seen == [torch.float32]
+    want = torch.linalg.eigvalsh(c)
+    assert float((got - want).abs().max()) < K * 6e-8 * float(want.max())
+    assert held(post) == {"ggn"}

@@ -570,7 +570,13 @@ class FullPosterior(Posterior):
                 # in float64 whatever the buffers' dtype: float32's eigensolver errs by
                 # ~eps·‖G‖ on every eigenvalue (−9e-3 on laplace-torch's regression example,
                 # whose float32 GGN itself has −6e-4), which moved the tuned λ by 5 %
-                g = torch.linalg.eigvalsh(self.ggn.double())
+                # (torch copies its input again: two float64 copies beside the GGN, where they
+                # fit under MAX_BYTES; else the buffers' dtype, one copy: two matrices in all)
+                size = self.ggn.element_size()
+                if (size + 2 * 8) * self.dim**2 <= MAX_BYTES:
+                    g = torch.linalg.eigvalsh(self.ggn.double())
+                else:
+                    g = torch.linalg.eigvalsh(self.ggn).double()
             self.__dict__["_eig_cache"] = cached = (key, g)
         return cached[1]
 
