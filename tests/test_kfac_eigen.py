@@ -66,6 +66,7 @@ def test_columns_are_orthonormal_and_from_several_layers():
     net = nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 4)).double()
     with torch.no_grad():  # move the BatchNorm statistics off their defaults
         net(torch.randn(16, 3, dtype=torch.float64))
+    net.eval()
     x = torch.randn(30, 3, dtype=torch.float64)
     sub = subspaces.kfac_eigen(net, likelihoods.Categorical(), x, 40)
     p = sub.dense_basis()
@@ -79,6 +80,14 @@ def test_columns_are_orthonormal_and_from_several_layers():
     assert sub.index.numel() == 0
     widths = sum(int(q + pp) * int(r) for q, pp, r, _ in sub.shapes.tolist())
     assert sub.left.numel() + sub.right.numel() == widths < p.numel() / 4
+    # EK-FAC with the BatchNorm's diagonal entries among the candidates: p^T G p by brute force
+    for options in ({}, {"fisher": "mc", "mc_samples": 2}):
+        ek = subspaces.kfac_eigen(net, likelihoods.Categorical(), x, 20, eigenvalues="ekfac",
+                                  candidates=64, **options)  # fmt: skip
+        q = ek.dense_basis()
+        assert q[24:36].abs().sum() > 0  # BatchNorm entries were chosen
+        quotients = torch.einsum("dk,de,ek->k", q, brute_force_ggn(net, likelihoods.Categorical(), x), q)
+        assert torch.allclose(ek.eigenvalues, quotients, rtol=1e3 * EPS, atol=1e-12)
 
 
 # ------------------------------------------------------------------ curvlinops as the oracle

@@ -15,8 +15,9 @@ hooks and ``C`` backward passes to the layers' outputs per chunk (as the K-FAC p
 patches are never unfolded) and ``g`` onto the chosen ``v``: curvlinops'
 ``EKFACLinearOperator`` forms the same numbers for every pair ``(v_i, u_j)``. Where a layer's
 rows are not the data points (a network that reshapes its batch, a layer called twice), and for
-entries of diagonal blocks, the quotients come from ``K`` forward-mode products instead
-(`curvature.ggn_in_subspace`), which hold for any network.
+entries of diagonal blocks of the Monte Carlo Fisher, the quotients come from forward-mode
+products instead (`curvature.ggn_in_subspace`), which hold for any network; an entry ``e_m`` of a
+diagonal block of the type-2 K-FAC is its exact GGN diagonal ``G_mm`` already.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def ekfac_eigenvalues(
     modules = dict(net.named_modules())
     # per K-FAC block with chosen columns: the coordinates and their factors v (q,), u (p,)
     layers: dict[str, dict] = {}
-    slow = []
+    slow, exact = [], []
     for k, (b, eig, m) in enumerate(chosen):
         block = factors.blocks[b]
         module = modules.get(block.module)
@@ -58,6 +59,9 @@ def ekfac_eigenvalues(
             or type(module) is nn.Linear
             or is_conv1d(module)
         )
+        if eig is None and factors.fisher == "type-2":
+            exact.append((k, block.diagonal[m]))  # K-FAC's diagonal blocks are exact: G_mm
+            continue
         if not fast:
             slow.append(k)
             continue
@@ -69,6 +73,8 @@ def ekfac_eigenvalues(
     values = torch.zeros(len(chosen), dtype=torch.float64, device=sub.shift.device)
     failed = _hooked_pass(net, likelihood, x, layers, values, chunk_size)
     values = distributed.all_reduce_sum(values)
+    for k, value in exact:  # already summed over the ranks by the K-FAC pass
+        values[k] = value
     for name in failed:
         slow += [k for kind in ("weight", "bias") for k, *_ in layers[name][kind]]
     if slow:  # forward-mode products: any network, any parameter
