@@ -17,9 +17,18 @@ sequences). Each step runs in a forked child process, so its peak RSS above the 
   draws cost about (evaluations per draw) × that, the evaluations per draw measured on the
   toy problem's kernel (`benchmarks/ess_vs_nuts.py`: 5-8 at T = N/K).
 
-    python benchmarks/hf_lora_scale.py                    # the issue's sizes (20 min unloaded)
+    python benchmarks/hf_lora_scale.py                    # the issue's sizes (an hour or more)
     python benchmarks/hf_lora_scale.py --quick            # 2 layers, N = 64: a smoke run
     python benchmarks/hf_lora_scale.py --n 128 --steps epoch kfac kfac-mc   # fewer rows, steps
+
+``--per-batch`` measures K-FAC's parts in one process instead, interleaved with the training
+step (rounds of: one AdamW step on a batch of 8; one K-FAC pass over that batch, type-2 and
+MC; the eigendecompositions of one layer's factors as the posterior takes them, a cost that
+does not grow with N: ``c_attn``'s LoRA ``B`` output factor 2304 × 2304 and ``A`` input
+factor 768 × 768, times the layers, plus the head's 768 × 768), and gives K-FAC in epochs at
+the issue's N = 512 as ``(pass per batch · 64 + eigendecompositions) / (step per batch · 64)``:
+minutes instead of an hour of the full run, and both timed under the same load. Peaks: run
+``--n 8 --steps epoch kfac kfac-mc`` (one batch; the peaks do not grow with N).
 
 Each step's row is printed (and flushed) as soon as it is measured, so a run stopped early
 still leaves the rows it finished. ``--n`` takes fewer sequences: the peaks do not depend on
@@ -154,6 +163,72 @@ def run(name: str, quick: bool, threads: int, n: int):
     return out
 
 
+def per_batch(quick: bool, n: int, rounds: int) -> None:
+    """K-FAC's parts against the training step, interleaved in this process (module
+    docstring): median seconds of each part, then K-FAC in epochs at ``n`` sequences."""
+    from pyro_subspace.curvature.kfac import kfac
+
+    model = build(quick)
+    _, _, rows = data(8, 32 if quick else 64)
+    lik = likelihoods.Categorical()
+    trainable = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=0.0)  # lr 0: every round sees the same weights
+
+    def step():
+        model.train()
+        batch = dict(next(iter(DataLoader(rows, batch_size=8))))
+        labels = batch.pop("labels")
+        loss = torch.nn.functional.cross_entropy(model(**batch).logits, labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        model.eval()
+
+    def kfac_pass(fisher):
+        return lambda: kfac(model, lik, DataLoader(rows, batch_size=8), fisher=fisher, dtype=torch.float64)
+
+    from pyro_subspace.infer.laplace.posteriors.kron import _eigh
+
+    layers = sum(1 for name, _ in model.named_modules() if name.endswith("c_attn.lora_B.default"))
+    g = torch.Generator().manual_seed(0)
+    spd = {m: (lambda v: v @ v.T)(torch.randn(m, 2 * m, generator=g, dtype=torch.float64)) for m in (2304, 768)}
+
+    from pyro_subspace.threads import num_threads
+
+    def eigen():  # one layer's two large factors as KronPosterior decomposes them (its threads)
+        with num_threads():
+            for m in (2304, 768):
+                _eigh(spd[m].clone())
+
+    parts = {
+        "training step (batch of 8)": step,
+        "K-FAC pass, type-2 (batch of 8)": kfac_pass("type-2"),
+        "K-FAC pass, MC (batch of 8)": kfac_pass("mc"),
+        "eigendecompositions of one layer (2304², 768²)": eigen,
+    }
+    times: dict[str, list[float]] = {k: [] for k in parts}
+    for _ in range(rounds):
+        for name, fn in parts.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    print(f"{'part (median of ' + str(rounds) + ' interleaved rounds)':54s} {'seconds':>8s}  all rounds")
+    for k, v in times.items():
+        print(f"{k:54s} {med[k]:8.1f}  {' '.join(f'{t:.1f}' for t in v)}")
+    batches = n / 8
+    step_t = med["training step (batch of 8)"]
+    eig = med["eigendecompositions of one layer (2304², 768²)"] * (layers + 1)  # + the head's A
+    for label, fisher in (("type-2", "type-2"), ("MC", "mc")):
+        name = "type-2" if fisher == "type-2" else "MC"
+        pass_t = med[f"K-FAC pass, {name} (batch of 8)"]
+        epochs = (pass_t * batches + eig) / (step_t * batches)
+        print(
+            f"K-FAC Laplace, {label}, at N = {n}: ({pass_t:.1f} s x {batches:.0f} + {eig:.1f} s "
+            f"eigendecompositions) / ({step_t:.1f} s x {batches:.0f}) = {epochs:.2f} epochs"
+        )
+
+
 #: ``--steps`` names, in the order they run (the unit, the targets, then the rest)
 SHORT = {
     "epoch": STEPS[0],
@@ -171,10 +246,23 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--n", type=int, default=None, help="sequences (default 512; --quick 64)")
     p.add_argument("--steps", nargs="+", choices=list(SHORT), default=list(SHORT))
+    p.add_argument("--per-batch", action="store_true", help="K-FAC's parts, interleaved")
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     n = args.n or (64 if args.quick else 512)
     length = 32 if args.quick else 64
+    if args.per_batch:
+        with open("/proc/loadavg") as f:
+            load = f.read().split()[0]
+        print(
+            f"# K-FAC's parts on GPT-2 {'(2 layers)' if args.quick else 'small'} + LoRA r = 8, "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, threads "
+            f"{torch.get_num_threads()}, load at start {load}"
+        )
+        per_batch(args.quick, n, args.rounds)
+        print(f"load at the end {os.getloadavg()[0]:.2f}")
+        return
     model = build(args.quick)
     trainable = [q for q in model.parameters() if q.requires_grad]
     adapter_bytes = sum(q.numel() * q.element_size() for q in trainable)
