@@ -97,9 +97,9 @@ def ece(probs: np.ndarray, targets: np.ndarray, bins: int = 15) -> float:
 
 def reseed(seed: int) -> None:
     """Added to a port where a script draws from torch's global generator after ``la.fit``:
-    laplace-torch's ``fit`` iterates the ``DataLoader`` more often than ours, and every
-    ``iter(loader)`` draws the loader's base seed from the global generator (this library's
-    calls leave it as it was), so without it the two runs would predict at different inputs."""
+    laplace-torch's ``fit`` advances that generator (every ``iter(loader)`` draws the loader's
+    base seed from it), this library's calls leave it as they found it, so without it the two
+    runs would predict at different inputs."""
     torch.manual_seed(seed)
 
 
