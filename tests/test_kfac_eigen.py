@@ -442,3 +442,21 @@ def test_ekfac_one_pass_equals_the_brute_force_quotients(make, options, monkeypa
     scale = float(quotients.max())
     assert torch.allclose(sub.eigenvalues, quotients, rtol=1e3 * EPS, atol=1e3 * EPS * scale)
     assert (sub.eigenvalues[:-1] >= sub.eigenvalues[1:]).all()
+
+
+@pytest.mark.parametrize("structure", ["full", "diag"])
+def test_laplace_front_door_equals_the_dense_basis(structure):
+    from pyro_subspace import infer
+
+    net, x, y, sub, dense = _problem()
+    fits = []
+    for s in (sub, dense):
+        la = infer.Laplace(net, likelihoods.Categorical(), s, structure, prior_precision=1.0)
+        la.fit(x, y)
+        fits.append(la)
+    a, b = fits
+    assert torch.allclose(a.posterior_precision, b.posterior_precision, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(a(x[:5], link_approx="probit"), b(x[:5], link_approx="probit"),
+                          rtol=1e-10, atol=1e-12)  # fmt: skip
+    assert float(a.log_marginal_likelihood()) == pytest.approx(float(b.log_marginal_likelihood()),
+                                                               rel=1e-10)  # fmt: skip
