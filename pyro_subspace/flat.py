@@ -85,8 +85,11 @@ class FlatNet:
         """Copy the flat weights ``w`` (shape ``(D,)``) into the network's trainable
         parameters, in place (the frozen ones are not touched)."""
         self.check_weights(w, "w", batched=False)
-        with torch.no_grad():
-            nn.utils.vector_to_parameters(w.detach().to(self.vector()), self.params)
+        with torch.no_grad():  # in place: the parameters never become views of ``w``
+            # (torch's vector_to_parameters rebinds each .data to a slice of the vector, so a
+            # later write to either, a training step or the caller's, changed the other)
+            for p, chunk in zip(self.params, torch.split(w.detach(), self.numels)):
+                p.copy_(chunk.view_as(p))
 
     def unflatten(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split ``w`` of shape ``(..., D)`` into ``{name: (..., *param.shape)}`` views."""

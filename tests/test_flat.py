@@ -213,3 +213,26 @@ def test_plain_mlp_path_gives_functional_calls_numbers_and_respects_hooks():
         handle.remove()
     part = {"0.weight": w[0, :24].view(8, 3)}  # a subset: the others keep the net's own
     assert torch.equal(flat.evaluate(part, x), functional_call(net, part, (x,)))
+
+
+def test_load_vector_copies_and_never_ties_the_weights_to_the_vector():
+    """``load_vector(w)`` copies: afterwards a write into ``w`` leaves the network as it was,
+    a training step leaves ``w`` as it was, and each parameter keeps its own storage (an
+    optimiser's references stay valid). torch's ``vector_to_parameters`` makes the parameters
+    views of the vector, which tied a network to an SWA mean it was loaded from."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    flat = FlatNet(net)
+    storages = [p.data_ptr() for p in net.parameters()]
+    w = torch.randn(flat.num_weights)
+    kept = w.clone()
+    flat.load_vector(w)
+    torch.testing.assert_close(flat.vector(), kept, rtol=0, atol=0)
+    assert [p.data_ptr() for p in net.parameters()] == storages
+    w.add_(1.0)  # the caller's vector changes: the network does not
+    torch.testing.assert_close(flat.vector(), kept, rtol=0, atol=0)
+    w.copy_(kept)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.mul_(2.0)  # a training step changes the network: not the vector
+    torch.testing.assert_close(w, kept, rtol=0, atol=0)
