@@ -83,6 +83,10 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+#: ``--chunk-size``: rows per K-FAC pass (``infer.Laplace(chunk_size=)``), set in the children
+CHUNK = {"rows": 1024}
+
+
 def _steps(model, x, y, rows, n: int) -> dict:
     """The measured steps, by name: each a callable returning an optional number."""
     lik = likelihoods.Categorical()
@@ -107,7 +111,9 @@ def _steps(model, x, y, rows, n: int) -> dict:
     def kfac(fisher: str):
         def fit():
             opts = {"fisher": fisher}
-            infer.Laplace(model, lik, "all", "kron", structure_options=opts).fit(DataLoader(rows, batch_size=8))
+            infer.Laplace(
+                model, lik, "all", "kron", structure_options=opts, chunk_size=CHUNK["rows"]
+            ).fit(DataLoader(rows, batch_size=8))
 
         return fit
 
@@ -137,10 +143,11 @@ STEPS = (
 )
 
 
-def _child(name: str, quick: bool, threads: int, n: int, queue) -> None:
+def _child(name: str, quick: bool, threads: int, n: int, queue, chunk: int = 1024) -> None:
     """One step in a fresh (spawned) process: its time, and its peak RSS above the process's
     resident size once the model and data are built."""
     torch.set_num_threads(threads)
+    CHUNK["rows"] = chunk
     model = build(quick)
     x, y, rows = data(n, 32 if quick else 64)
     fn = _steps(model, x, y, rows, len(y))[name]
@@ -152,11 +159,11 @@ def _child(name: str, quick: bool, threads: int, n: int, queue) -> None:
     queue.put((seconds, peak - base, extra))
 
 
-def run(name: str, quick: bool, threads: int, n: int):
+def run(name: str, quick: bool, threads: int, n: int, chunk: int = 1024):
     """``(seconds, peak MiB above the built model, extra)`` of step ``name`` in a spawned child."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(name, quick, threads, n, queue))
+    proc = ctx.Process(target=_child, args=(name, quick, threads, n, queue, chunk))
     proc.start()
     out = queue.get()
     proc.join()
@@ -247,6 +254,10 @@ def main() -> None:
     p.add_argument("--n", type=int, default=None, help="sequences (default 512; --quick 64)")
     p.add_argument("--steps", nargs="+", choices=list(SHORT), default=list(SHORT))
     p.add_argument("--per-batch", action="store_true", help="K-FAC's parts, interleaved")
+    p.add_argument(
+        "--chunk-size", type=int, default=1024,
+        help="rows per K-FAC pass (Laplace's chunk_size): 2 keeps the pass's graph small",
+    )  # fmt: skip
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -277,14 +288,15 @@ def main() -> None:
     print(
         f"GPT-2 {'(2 layers)' if args.quick else 'small'}: {total:,} weights, LoRA r = 8 on c_attn + "
         f"3-class head: {adapter_bytes // 4:,} trainable weights; N = {n} sequences of {length} "
-        "tokens; each step in a fresh process (peak RSS above the built model)\n"
+        f"tokens; K-FAC passes of at most {args.chunk_size} sequences; each step in a fresh "
+        "process (peak RSS above the built model)\n"
     )
     print(f"{'step':54s} {'seconds':>8s} {'epochs':>7s} {'peak MiB':>9s} {'/ train peak':>12s} {'load':>5s}", flush=True)
     ep = ep_peak = None
     results = {}
     for short in [k for k in SHORT if k in args.steps]:
         name = SHORT[short]
-        sec, peak, extra = run(name, args.quick, args.threads, n)
+        sec, peak, extra = run(name, args.quick, args.threads, n, args.chunk_size)
         results[short] = (sec, peak, extra)
         load = os.getloadavg()[0]
         if short == "snapshot":
