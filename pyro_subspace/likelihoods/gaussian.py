@@ -156,12 +156,8 @@ class Gaussian(Likelihood):
             self.sigma = PyroParam(torch.tensor(float(sigma_init)), constraint=constraints.positive)
         else:
             floating = isinstance(sigma, torch.Tensor) and sigma.is_floating_point()
-            number = isinstance(sigma, (int, float)) and not isinstance(sigma, bool)
-            # a tensor keeps its dtype (float64 stays float64); a Python number is kept exactly
-            # (float64: a float64 network's σ = 0.8 is not rounded to float32; a 0-d float64
-            # never promotes the network's float32 outputs, and the scale is cast to them)
-            dtype = None if floating else torch.float64 if number else torch.get_default_dtype()
-            s = torch.as_tensor(sigma, dtype=dtype).detach().clone()
+            s = torch.as_tensor(sigma, dtype=None if floating else torch.get_default_dtype())
+            s = s.detach().clone()  # a tensor keeps its dtype (float64 stays float64)
             if s.dim() > 1 or not torch.isfinite(s).all() or (s <= 0).any():
                 raise ValueError(f"sigma: expected a positive float or (O,) tensor, got {sigma!r}")
             self.register_buffer("sigma", s)

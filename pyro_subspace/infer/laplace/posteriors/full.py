@@ -627,7 +627,7 @@ class FullPosterior(Posterior):
     def apply_covariance(self, v: torch.Tensor) -> torch.Tensor:
         """``Σ v`` ``(..., K)`` float64: ``(v L) Lᵀ`` with the factor (no ``Σ``) on the dense
         route."""
-        if self.__dict__["_route"] != "dense" or "covariance_matrix" not in self.__dict__["_pending"]:
+        if self.__dict__["_route"] == "woodbury":
             return super().apply_covariance(v)
         factor = self.scale_tril
         return ((v.to(factor.dtype) @ factor) @ factor.T).double()
@@ -675,7 +675,8 @@ class FullPosterior(Posterior):
         """``C_cd = φ̃ᵀ Σ_(c,d) φ̃`` (MoLA A.2) from features ``(n, P̃)``, in the buffers' dtype:
         on the dense route ``z_c · z_d`` with ``z_c = φ̃ᵀ L[rows_c]`` ``(n, K)`` (no ``Σ``), else
         from ``Σ``'s blocks."""
-        if self.__dict__["_route"] == "dense" and "covariance_matrix" in self.__dict__["_pending"]:
+        if self.__dict__["_route"] != "woodbury":  # the factor's rows, also when Σ was formed
+            # (a state_dict forms it) and after a reload (no route): the same bits as before
             factor = self.scale_tril
             phi = phi.to(factor.dtype)
             z = torch.stack([phi @ factor[r] for r in rows], 1)  # shape: (n, C, K)
