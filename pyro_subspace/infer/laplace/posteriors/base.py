@@ -336,6 +336,22 @@ class Posterior(nn.Module, ABC):
         )
 
 
+def stacked_jacobians(blocks: Iterable[torch.Tensor], dim: int, rows=None) -> torch.Tensor:
+    """The grid sweeps' Jacobians ``(N, O, K)`` float64 from `functional_covariance_on_grid`'s
+    ``blocks``: Jacobian blocks ``(n, O, K)``, or with ``rows`` ``(O, P̃)`` a last layer's
+    features ``(n, P̃)``, scattered as ``J[n, c, rows[c, p]] = φ̃[n, p]``."""
+    out = []
+    for b in blocks:
+        b = b.double()
+        if rows is not None:
+            j = b.new_zeros(b.shape[0], rows.shape[0], dim)
+            for i in range(rows.shape[0]):
+                j[:, i, rows[i]] = b
+            b = j
+        out.append(b)
+    return torch.cat(out)
+
+
 def check_positive(values: torch.Tensor, what: str) -> None:
     """``LinAlgError`` naming ``what`` unless every entry is positive."""
     if not bool((values > 0).all()):

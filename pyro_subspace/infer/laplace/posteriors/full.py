@@ -72,7 +72,7 @@ from ....linalg import (
     symmetrize_,
     tril_outer_,
 )
-from .base import Posterior, PriorPrecision
+from .base import Posterior, PriorPrecision, stacked_jacobians
 
 #: The buffers a fit from rows may leave to first use.
 DEFERRABLE = ("ggn", "precision_matrix", "covariance_matrix", "scale_tril")
@@ -704,16 +704,7 @@ class FullPosterior(Posterior):
         unit = prior_at(torch.tensor(1.0, dtype=torch.float64))
         if unit.lam.dim() != 0:
             return super().functional_covariance_on_grid(blocks, prior_at, rows)
-        jp = []
-        for b in blocks:
-            b = b.double()
-            if rows is not None:  # features: J[n, c, rows[c, p]] = φ̃[n, p]
-                j = b.new_zeros(b.shape[0], rows.shape[0], self.dim)
-                for i in range(rows.shape[0]):
-                    j[:, i, rows[i]] = b
-                b = j
-            jp.append(b)
-        jp = torch.cat(jp)  # shape: (N, O, K)
+        jp = stacked_jacobians(blocks, self.dim, rows)  # shape: (N, O, K)
         n, o, k = jp.shape
         temperature = float(self.temperature)
         if unit.gram is None:

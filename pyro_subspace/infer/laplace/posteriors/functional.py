@@ -71,7 +71,7 @@ from .... import validation as ck
 from ....data import KeyedBatches, split_batch
 from ....flat import FlatNet
 from ....linalg import cholesky, logdet
-from .base import Posterior, PriorPrecision
+from .base import Posterior, PriorPrecision, stacked_jacobians
 
 #: the most bytes ``J_M`` ``(M·O, K)`` float64 may take (4 GiB): a larger subset is refused
 #: before any work, naming ``n_subset`` (laplace-torch recomputes ``J_M`` at every prediction
@@ -436,16 +436,7 @@ class FunctionalPosterior(Posterior):
         """``λ ↦ K** − K*M (K_MM + T Λ⁻¹)⁻¹ K_M*`` ``(N, O, O)`` for the effective priors
         ``prior_at(λ)`` (`tuning.grid_covariances` passes `effective_prior`'s: not scaled by
         ``N/M`` twice): one ``(R, R)`` factorisation per ``λ``, ``J_M`` shared."""
-        jp = []
-        for b in blocks:
-            b = b.double()
-            if rows is not None:  # features: J[n, c, rows[c, p]] = φ̃[n, p]
-                j = b.new_zeros(b.shape[0], rows.shape[0], self.dim)
-                for i in range(rows.shape[0]):
-                    j[:, i, rows[i]] = b
-                b = j
-            jp.append(b)
-        jp = torch.cat(jp)
+        jp = stacked_jacobians(blocks, self.dim, rows)
 
         def f_cov(lam: torch.Tensor) -> torch.Tensor:
             s, factor = self._kernel_factor(prior_at(torch.as_tensor(lam, dtype=torch.float64)))
