@@ -924,3 +924,60 @@ def test_folded_conv_batchnorm_pairs_give_the_unfolded_factors(monkeypatch, devi
     with pytest.raises(RuntimeError, match="folded pass"):
         kfac(net, lik, x, chunk_size=3)
     assert all("forward" not in vars(m) for m in net.modules() if m is not net.head)
+
+
+def _pass_rows(net, loader, **kw):
+    rows = []
+    factors = kfac(net, likelihoods.Categorical(), loader, on_outputs=lambda o, y: rows.append(len(o)), **kw)
+    return rows, factors
+
+
+def test_passes_shrink_where_the_factor_sums_outweigh_a_training_steps_graph():
+    """A layer of 600 outputs sums 600² float64 numbers (2.9 MB) beside a graph of a few kB a
+    row: passes of a quarter of the loader's batch of 8, where a small convolution on 16 × 16
+    images (sums of 10² + 2² numbers, a graph of kilobytes a row) keeps the batch whole; the
+    factors do not depend on it (equal to one pass over everything)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 4, dtype=torch.double), torch.randint(0, 3, (32,))
+    wide = nn.Sequential(nn.Linear(4, 600), nn.Tanh(), nn.Linear(600, 3)).double()
+    rows, factors = _pass_rows(wide, DataLoader(TensorDataset(x, y), batch_size=8))
+    assert rows == [2] * 16
+    whole = kfac(wide, likelihoods.Categorical(), x, chunk_size=32)
+    torch.testing.assert_close(factors.to_dense(), whole.to_dense(), rtol=1e-12, atol=1e-12)
+    images = torch.randn(32, 1, 16, 16, dtype=torch.double)
+    conv = nn.Sequential(
+        nn.Conv2d(1, 2, 3, padding=1), nn.Tanh(), nn.AdaptiveAvgPool2d(1), nn.Flatten()
+    ).double()
+    assert _pass_rows(conv, DataLoader(TensorDataset(images, y), batch_size=8))[0] == [8] * 4
+
+
+def test_the_memory_rule_counts_the_sums_kfac_allocates():
+    """`_sums_bytes` from the planned layers equals the bytes of the float64 ``A`` and ``G``
+    sums the pass ends with (an augmented bias, and GPT-2's transposed Conv1D)."""
+    Conv1D = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    from pyro_subspace.curvature.kfac import factors as kf
+    from pyro_subspace.curvature.kfac.layers import _plan
+
+    torch.manual_seed(0)
+    x = torch.randn(10, 4, dtype=torch.double)
+    nets = [
+        nn.Sequential(nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 3)),
+        nn.Sequential(Conv1D(7, 4), nn.Tanh(), nn.Linear(7, 3)),  # Conv1D(nf=out, nx=in)
+    ]
+    for net, augment in itertools.product(nets, (False, True)):
+        net = net.double()
+        predicted = kf._sums_bytes(_plan(net, [net], augment)[0])
+        ended = []
+        real = kf._assemble
+
+        def spy(net_, layers, *args, ended=ended, real=real):
+            ended.extend(layers)
+            return real(net_, layers, *args)
+
+        kf._assemble = spy
+        try:
+            kfac(net, likelihoods.Categorical(), x, bias="augment" if augment else "separate")
+        finally:
+            kf._assemble = real
+        held = sum(8 * (lay.A.numel() + lay.G.numel()) for lay in ended)
+        assert held == predicted
