@@ -6,6 +6,8 @@
 - `predictive`: the linearised (GLM) predictive, eqs. (11)–(13) of Subnetwork Inference;
 - `tuning`: the prior precision by the evidence or a validation grid;
 - `front`: `Laplace(...)` (laplace-torch's habits) and the mean-field `DiagonalLaplace`;
+- `laplace_torch`: laplace-torch's vocabulary (likelihood names, enum members, backends and
+  their keywords) translated for `front`;
 - `marglik_training`: the network and its prior trained together by the evidence.
 """
 

@@ -24,7 +24,8 @@ from ... import batch as batching
 from ... import validation as ck
 from ...data import split_batch
 from ...flat import flat_parameters
-from .front import Laplace, NetLaplace, enum_value
+from .front import Laplace, NetLaplace
+from .laplace_torch import enum_value
 
 __all__ = ["marglik_training"]
 
