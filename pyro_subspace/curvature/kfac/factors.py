@@ -3,6 +3,7 @@ layers' outputs, the sums added in float64 and reduced over ranks (the package d
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -348,23 +349,30 @@ def _channels_last_forward(
 
 def _one_row_pass(net: nn.Module, layers: list[_Layer], x) -> tuple[dict, int]:
     """`_hooked_forward`'s ``seen`` (every hooked call's input and output) for the first row of
-    ``x``, and the bytes its autograd graph saves for the backward pass (activations: tensors
-    sharing a parameter's storage are not counted; each storage once)."""
+    ``x``, and the bytes its autograd graph would save for a backward pass (activations; a
+    storage shared with a parameter is not counted, and a storage saved twice while alive
+    once). Nothing is kept for the backward pass: the probe's peak is a no-grad forward's."""
     own = {p.untyped_storage().data_ptr() for p in net.parameters()}
-    saved: dict[int, int] = {}
+    alive: dict[int, weakref.ref] = {}  # storage address -> the tensor last saved there
+    total = 0
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> None:
+        nonlocal total
         storage = t.untyped_storage()
-        if storage.data_ptr() not in own:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
+        ptr = storage.data_ptr()
+        if ptr in own:
+            return None
+        last = alive.get(ptr)
+        if last is None or last() is None:  # a new storage (or a freed one's address reused)
+            total += storage.nbytes()
+        alive[ptr] = weakref.ref(t)
+        return None
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out, seen = _hooked_forward(net, layers, batching.take(x, slice(0, 1)))
     del out
-    return {k: [(a, None if z is None else z.detach()) for a, z in v] for k, v in seen.items()}, sum(
-        saved.values()
-    )
+    detached = {k: [(a, None if z is None else z.detach()) for a, z in v] for k, v in seen.items()}
+    return detached, total
 
 
 def _sums_bytes(layers: list[_Layer]) -> int:
