@@ -75,9 +75,11 @@ def test_float32_blocks_are_summed_in_float64(monkeypatch):
     assert (plain - want).abs().max() > 100
 
 
+@pytest.mark.parametrize("stage", [4, 20, 256])  # small blocks staged into one product
 @pytest.mark.parametrize("flush", [7, 10**9])
-def test_gram_of_float32_blocks_against_float64(monkeypatch, flush):
+def test_gram_of_float32_blocks_against_float64(monkeypatch, flush, stage):
     monkeypatch.setattr(gram, "FLUSH_ROWS", flush)
+    monkeypatch.setattr(gram, "STAGE_ROWS", stage)
     gen = torch.Generator().manual_seed(1)
     blocks = [torch.randn(n, 3, 70, generator=gen) for n in (5, 9, 2, 11)]
     want = sum(torch.einsum("nck,ncj->kj", b.double(), b.double()) for b in blocks)

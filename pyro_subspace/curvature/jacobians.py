@@ -48,6 +48,13 @@ MAX_JACOBIAN_NUMBERS = 50_000_000
 #: full speed from a few hundred rows of ``A`` on.
 INDEX_JACOBIAN_NUMBERS = 1_000_000
 
+#: ...but at least this many data points a block of the layer fast path, whose forward and
+#: ``C`` backward passes cost per block more than per point: a subnetwork of 42,438 ResNet-18
+#: weights (10 classes) would get blocks of 2 images from the budget alone, 0.39-0.58 s an
+#: image against 0.31-0.35 s at 8 (benchmarks/results/subnetwork_resnet18.txt); 8 points are
+#: 3.4M numbers there (14 MB in float32).
+MIN_INDEX_POINTS = 8
+
 Blocks = Iterator[tuple[torch.Tensor, torch.Tensor]]
 #: ``outputs (n, O) -> L (n, O, C)``, e.g. the factor ``H_n = L_n L_nᵀ`` of the output Hessian:
 #: a Jacobian block ``J_n P`` is then returned as ``L_nᵀ J_n P`` ``(n, C, K)``.
@@ -490,7 +497,7 @@ def index_jacobian_blocks(
     output-gradient × input products (`linear_index_jacobians`, ``O·K`` numbers per row, one
     forward and ``C`` backward passes per block). Any others: per-sample Jacobians
     through only the parameter tensors that hold them (``D_t`` numbers), then indexed. Blocks
-    of at most ``min(chunk_size, INDEX_JACOBIAN_NUMBERS // (O·K),
+    of at most ``min(chunk_size, max(MIN_INDEX_POINTS, INDEX_JACOBIAN_NUMBERS // (O·K)),
     MAX_JACOBIAN_NUMBERS // (O·(K + D_t)))`` rows.
     """
     idx = idx.to(w.device)
@@ -505,8 +512,8 @@ def index_jacobian_blocks(
         with torch.no_grad():
             o = as_2d(flat(w, batching.take(x, slice(0, 1)))).shape[1]
         width = idx.numel() + (generic[0] if generic else 0)
-        budget = min(MAX_JACOBIAN_NUMBERS // width, INDEX_JACOBIAN_NUMBERS // idx.numel())
-        rows = max(1, budget // o)
+        rows = max(MIN_INDEX_POINTS, INDEX_JACOBIAN_NUMBERS // (idx.numel() * o))
+        rows = max(1, min(rows, MAX_JACOBIAN_NUMBERS // (width * o)))
         rows = min(rows, chunk_size) if chunk_size is not None else rows
         in_order = generic is None and torch.equal(lin_pos, torch.arange(idx.numel()).to(lin_pos))
         for start in range(0, batching.rows(x), rows):
