@@ -199,8 +199,8 @@ def add_hessian(g: argparse._ArgumentGroup, method: str, default: str) -> None:
         choices=HESSIANS,
         default=default,
         help=f"{method}: the posterior's structure: full GGN, its diagonal, low rank, K-FAC "
-        "(kron: the MoLA paper's; needs whole layers), or auto (full while its (K, K) buffers "
-        "fit 256 MiB, else kron)",
+        "(kron: the MoLA paper's; needs whole layers), or auto (full while its two float64 (K, K) "
+        "matrices fit 128 MiB, K <= 2896, else kron)",
     )
 
 

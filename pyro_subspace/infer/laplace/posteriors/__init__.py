@@ -21,7 +21,7 @@ import torch
 
 from .base import Posterior, PriorPrecision
 from .diagonal import DiagonalPosterior
-from .full import FullPosterior
+from .full import HELD, FullPosterior
 from .functional import FunctionalPosterior
 from .kron import KronPosterior
 from .lowrank import LowRankFactorNormal, LowRankPosterior
@@ -33,10 +33,10 @@ POSTERIORS: dict[str, type[Posterior]] = {
 }
 #: the structures that take a ``rank``
 RANKED = ("lowrank",)
-#: ``hessian_structure="auto"`` picks ``"full"`` while its four ``(K, K)`` float64 buffers take
-#: at most this many bytes (256 MiB: ``K ≤ 2896``), else ``"kron"``: a rule of ``K`` alone,
-#: the same on every machine
-AUTO_BUDGET_BYTES = 256 * 2**20
+#: ``hessian_structure="auto"`` picks ``"full"`` while the ``(K, K)`` float64 matrices it holds
+#: (`full.HELD`: the GGN and the Cholesky factor) take at most this many bytes (128 MiB:
+#: ``K ≤ 2896``), else ``"kron"``: a rule of ``K`` alone, the same on every machine
+AUTO_BUDGET_BYTES = 128 * 2**20
 #: the options each structure takes (`structure_options` of the guide)
 OPTIONS = {
     "kron": ("fisher", "conv", "bias", "damping", "mc_samples", "seed"),
@@ -49,12 +49,12 @@ def resolve_structure(name: str, dim: int) -> tuple[str, str]:
     ``hessian_structure="auto"`` picked and why, for the user to read)."""
     if name != "auto":
         return name, f"{name!r}: asked for"
-    need = 4 * 8 * dim * dim
+    need = len(HELD) * 8 * dim * dim
     mib = f"{need / 2**20:.1f} MiB"
     budget = f"{AUTO_BUDGET_BYTES / 2**20:.0f} MiB"
     if need <= AUTO_BUDGET_BYTES:
-        return "full", f"'full': its four ({dim}, {dim}) float64 buffers take {mib} <= {budget}"
-    return "kron", f"'kron': the full structure's ({dim}, {dim}) buffers would take {mib} > {budget}"
+        return "full", f"'full': its {len(HELD)} ({dim}, {dim}) float64 matrices take {mib} <= {budget}"
+    return "kron", f"'kron': the full structure's {len(HELD)} ({dim}, {dim}) float64 matrices would take {mib} > {budget}"
 
 
 def check_structure(name: object, rank: object, options: dict | None = None) -> None:

@@ -173,7 +173,8 @@ class FullPosterior(Posterior):
 
     Args:
         dim: ``K``.
-        dtype: float32 or float64, of the four ``(K, K)`` buffers.
+        dtype: float32 or float64, of the ``(K, K)`` matrices (`HELD`: the GGN and the
+            Cholesky factor; the other `BUFFERS` are formed on demand, never kept).
         device: of the buffers.
     """
 
