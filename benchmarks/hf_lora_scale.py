@@ -21,6 +21,9 @@ sequences). Each step runs in a forked child process, so its peak RSS above the 
     python benchmarks/hf_lora_scale.py --quick            # 2 layers, N = 64: a smoke run
     python benchmarks/hf_lora_scale.py --n 128 --steps epoch kfac kfac-mc   # fewer rows, steps
 
+``--ess-ratio`` times one ESS likelihood evaluation against the no-grad forward pass in one
+process, interleaved (``--rounds`` of each), for their ratio.
+
 ``--per-batch`` measures K-FAC's parts in one process instead, interleaved with the training
 step (rounds of: one AdamW step on a batch of 8; one K-FAC pass over that batch, type-2 and
 MC; the eigendecompositions of one layer's factors as the posterior takes them, a cost that
@@ -236,6 +239,35 @@ def per_batch(quick: bool, n: int, rounds: int) -> None:
         )
 
 
+def ess_against_forward(quick: bool, n: int, rounds: int) -> None:
+    """One elliptical-slice likelihood evaluation against one no-grad forward pass over the
+    same ``n`` sequences, interleaved in this process (A B A B, ``rounds`` each): the median
+    of each and their ratio, the issue's ``<= 1.2`` target (both run ``_steps``' code)."""
+    model = build(quick)
+    x, y, rows = data(n, 32 if quick else 64)
+    forward = _steps(model, x, y, rows, n)[STEPS[1]]
+    sub = subspaces.random(model, rank=10, seed=0)  # built once, as a sampler does
+    ev = SubspaceNet(model, sub, likelihoods.Categorical()).evaluator(x, y, chunk_size=32)
+    coords = torch.full((10,), 0.01, dtype=sub.shift.dtype)
+    forward(), ev.log_likelihood(coords)  # first calls: one-time costs out of the rounds
+    parts = {
+        "no-grad forward pass over the data": forward,
+        "one ESS likelihood evaluation (rank 10)": lambda: ev.log_likelihood(coords),
+    }
+    times: dict[str, list[float]] = {k: [] for k in parts}
+    for _ in range(rounds):
+        for name, fn in parts.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    print(f"{'part (median of ' + str(rounds) + ' interleaved rounds)':54s} {'seconds':>8s}  all rounds")
+    for k, v in times.items():
+        print(f"{k:54s} {med[k]:8.1f}  {' '.join(f'{t:.1f}' for t in v)}")
+    fw, ess = med["no-grad forward pass over the data"], med["one ESS likelihood evaluation (rank 10)"]
+    print(f"one ESS likelihood evaluation / no-grad forward pass: {ess / fw:.2f} (target <= 1.2)")
+
+
 #: ``--steps`` names, in the order they run (the unit, the targets, then the rest)
 SHORT = {
     "epoch": STEPS[0],
@@ -255,6 +287,10 @@ def main() -> None:
     p.add_argument("--steps", nargs="+", choices=list(SHORT), default=list(SHORT))
     p.add_argument("--per-batch", action="store_true", help="K-FAC's parts, interleaved")
     p.add_argument(
+        "--ess-ratio", action="store_true",
+        help="one ESS likelihood evaluation against a no-grad forward pass, interleaved",
+    )  # fmt: skip
+    p.add_argument(
         "--chunk-size", type=int, default=1024,
         help="rows per K-FAC pass (Laplace's chunk_size): 2 keeps the pass's graph small",
     )  # fmt: skip
@@ -263,6 +299,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     n = args.n or (64 if args.quick else 512)
     length = 32 if args.quick else 64
+    if args.ess_ratio:
+        print(
+            f"# one ESS evaluation against a no-grad forward pass, GPT-2 {'(2 layers)' if args.quick else 'small'} "
+            f"+ LoRA r = 8, N = {n} sequences of {length} tokens, "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, threads "
+            f"{torch.get_num_threads()}, load at start {os.getloadavg()[0]:.2f}"
+        )
+        ess_against_forward(args.quick, n, args.rounds)
+        print(f"load at the end {os.getloadavg()[0]:.2f}")
+        return
     if args.per_batch:
         with open("/proc/loadavg") as f:
             load = f.read().split()[0]
