@@ -944,6 +944,9 @@ def test_passes_shrink_where_the_factor_sums_outweigh_a_training_steps_graph():
     assert rows == [2] * 16
     whole = kfac(wide, likelihoods.Categorical(), x, chunk_size=32)
     torch.testing.assert_close(factors.to_dense(), whole.to_dense(), rtol=1e-12, atol=1e-12)
+    rows = []  # tensors: passes of chunk_size rows, as asked (no training step to stay under)
+    kfac(wide, likelihoods.Categorical(), x, chunk_size=8, on_outputs=lambda o, _: rows.append(len(o)))
+    assert rows == [8] * 4
     images = torch.randn(32, 1, 16, 16, dtype=torch.double)
     conv = nn.Sequential(
         nn.Conv2d(1, 2, 3, padding=1), nn.Tanh(), nn.AdaptiveAvgPool2d(1), nn.Flatten()

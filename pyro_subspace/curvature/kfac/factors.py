@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from ... import batch as batching
 from ... import distributed
@@ -111,9 +112,9 @@ def kfac(
             docstring); irrelevant for layers without it.
         bias: ``"separate"`` (bias block ``G``) or ``"augment"`` (one block for ``[W | b]``).
         chunk_size: at most this many rows per forward/backward pass (fewer where one layer's
-            output would exceed `PASS_NUMBERS` numbers, and where the float64 factor sums
-            beside a pass's graph would hold more than one training step on the first batch's
-            rows: `_rows_within_memory`); the factors do not depend on it.
+            output would exceed `PASS_NUMBERS` numbers, and, for a ``DataLoader``, where the
+            float64 factor sums beside a pass's graph would hold more than a training step on
+            the loader's batch: `_rows_within_memory`); the factors do not depend on it.
         generator: for ``"mc"``: a ``torch.Generator`` (on the network's device, or on the
             CPU: draws are then moved), an int seed, or ``None``: a new generator seeded with
             ``MC_SEED`` plus the process's rank. Torch's global generators are not advanced.
@@ -180,13 +181,13 @@ def kfac(
             xs = batching.to_device(xs, device)
             if first and batching.rows(xs):  # a forward pass of one row, before the first chunk
                 probe, graph_row = _one_row_pass(net, layers + local, xs)
-                batch = min(chunk_size, batching.rows(xs))  # a training step's rows
-                # the chunk, or fewer rows where a layer's output is large, or where the
-                # factor sums and the pass's graph would hold more than a step's graph
-                chunk_size = min(
-                    _rows_per_pass(probe, chunk_size),
-                    _rows_within_memory(graph_row, _sums_bytes(layers), batch),
-                )
+                # the chunk, or fewer rows where a layer's output is large
+                rows = _rows_per_pass(probe, chunk_size)
+                if isinstance(x, DataLoader):  # its batch is the user's training step:
+                    # no larger a pass than fits beside the factor sums in the step's graph
+                    batch = min(chunk_size, batching.rows(xs))
+                    rows = min(rows, _rows_within_memory(graph_row, _sums_bytes(layers), batch))
+                chunk_size = rows
             ycs = ys.split(chunk_size) if ys is not None else None
             for i, xc in enumerate(batching.split(xs, chunk_size)):
                 links: dict | None = {} if first and FOLD_BATCHNORM else None
@@ -396,8 +397,10 @@ def _rows_within_memory(graph_row: int, sums: int, batch: int) -> int:
     factors (0.5 GB) beside a graph of 57 MB a sequence: with passes of the loader's 8
     sequences it peaked at 1.84 times the adapter's training step. Never fewer than a quarter
     of ``batch``, where the sums alone exceed the step's graph: smaller passes would save
-    little and run the ``C`` backward passes many more times. A network whose sums are small
-    beside its graph (a CNN on a chunk of 1024 images) keeps its passes."""
+    little and run the ``C`` backward passes many more times (ResNet-18 from a loader of 128
+    images: 32-image passes, its 0.7 GB of sums beside 4.6 MB a row). A network whose sums are
+    small beside its graph keeps its passes; tensors and datasets are passed in ``chunk_size``
+    rows as asked (`kfac`)."""
     if graph_row <= 0 or batch <= 1:
         return max(1, batch)
     spare = -(-(batch * graph_row - sums) // graph_row)  # rounded up: within one row's graph
