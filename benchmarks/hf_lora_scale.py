@@ -173,6 +173,22 @@ def run(name: str, quick: bool, threads: int, n: int, chunk: int = 1024):
     return out
 
 
+def interleaved(parts: dict, rounds: int) -> dict[str, float]:
+    """Each of ``parts`` (name -> callable) once a round, in order, ``rounds`` times (A B A B);
+    prints and returns each one's median seconds."""
+    times: dict[str, list[float]] = {k: [] for k in parts}
+    for _ in range(rounds):
+        for name, fn in parts.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    print(f"{'part (median of ' + str(rounds) + ' interleaved rounds)':54s} {'seconds':>8s}  all rounds")
+    for k, v in times.items():
+        print(f"{k:54s} {med[k]:8.1f}  {' '.join(f'{t:.1f}' for t in v)}")
+    return med
+
+
 def per_batch(quick: bool, n: int, rounds: int) -> None:
     """K-FAC's parts against the training step, interleaved in this process (module
     docstring): median seconds of each part, then K-FAC in epochs at ``n`` sequences."""
@@ -216,16 +232,7 @@ def per_batch(quick: bool, n: int, rounds: int) -> None:
         "K-FAC pass, MC (batch of 8)": kfac_pass("mc"),
         "eigendecompositions of one layer (2304², 768²)": eigen,
     }
-    times: dict[str, list[float]] = {k: [] for k in parts}
-    for _ in range(rounds):
-        for name, fn in parts.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    print(f"{'part (median of ' + str(rounds) + ' interleaved rounds)':54s} {'seconds':>8s}  all rounds")
-    for k, v in times.items():
-        print(f"{k:54s} {med[k]:8.1f}  {' '.join(f'{t:.1f}' for t in v)}")
+    med = interleaved(parts, rounds)
     batches = n / 8
     step_t = med["training step (batch of 8)"]
     eig = med["eigendecompositions of one layer (2304², 768²)"] * (layers + 1)  # + the head's A
@@ -254,16 +261,7 @@ def ess_against_forward(quick: bool, n: int, rounds: int) -> None:
         "no-grad forward pass over the data": forward,
         "one ESS likelihood evaluation (rank 10)": lambda: ev.log_likelihood(coords),
     }
-    times: dict[str, list[float]] = {k: [] for k in parts}
-    for _ in range(rounds):
-        for name, fn in parts.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    print(f"{'part (median of ' + str(rounds) + ' interleaved rounds)':54s} {'seconds':>8s}  all rounds")
-    for k, v in times.items():
-        print(f"{k:54s} {med[k]:8.1f}  {' '.join(f'{t:.1f}' for t in v)}")
+    med = interleaved(parts, rounds)
     fw, ess = med["no-grad forward pass over the data"], med["one ESS likelihood evaluation (rank 10)"]
     print(f"one ESS likelihood evaluation / no-grad forward pass: {ess / fw:.2f} (target <= 1.2)")
 
