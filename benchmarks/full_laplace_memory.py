@@ -214,6 +214,11 @@ def main() -> None:
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch "
           f"{torch.__version__}, torch.get_num_threads() = {threads} per process, load "
           f"{' '.join(f'{v:.2f}' for v in os.getloadavg())} (uptime) at the start")  # fmt: skip
+    from pyro_subspace import linalg
+
+    print(f"# in-place Cholesky factor and inverse: blocked on torch's BLAS (blocks of "
+          f"{linalg.FACTOR_BLOCK}) above {linalg.BLOCKED_ROW_BYTES:,} bytes per row "
+          "(float32 K > 16,384), SciPy's LAPACK below")  # fmt: skip
     configs = []
     if args.paper:
         configs.append((None, 42438, 0, 10000, "float32", False, 8))
