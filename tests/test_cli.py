@@ -279,6 +279,13 @@ def test_an_unmixed_run_is_flagged_beside_its_row_and_warned(tmp_path, capsys):
     assert "warning: ConvergenceWarning: PCA+ESS" in out
 
 
+def test_the_remedies_never_name_the_kernel_in_use():
+    from pyro_subspace.cli.fit import mixing_fixes
+
+    assert "--inference gess" in mixing_fixes("ess") and "--inference gess" in mixing_fixes("nuts")
+    assert "--inference gess" not in mixing_fixes("gess") and "--warmup" in mixing_fixes("gess")
+
+
 def test_a_mixed_run_has_no_warning(tmp_path, capsys):
     """Plain ESS in a 2-D random subspace at T = N/K, 2 chains x 1500 draws: R-hat <= 1.01 and
     ESS >= 100 per chain with a wide margin; no warning, no flag."""

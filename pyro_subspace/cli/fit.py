@@ -311,11 +311,15 @@ def _subspace(
     return subspaces.ggn_eigen(net, lik, data.x_train, args.rank, seed=args.seed)
 
 
-#: what the options of this command do about each cause a `ConvergenceWarning` names
-MIXING_FIXES = (
-    " [with pyro-subspace: a longer --warmup, more --samples per chain, more --chains, or "
-    "--inference gess (the generalised kernel's populations, any temperature)]"
-)
+#: what the options of this command do about each cause a `ConvergenceWarning` names (the
+#: last one for the kernels other than ``gess``)
+MIXING_FIXES = " [with pyro-subspace: a longer --warmup, more --samples per chain, more --chains"
+TO_GESS = ", or --inference gess (the generalised kernel's populations, any temperature)"
+
+
+def mixing_fixes(inference: str) -> str:
+    """The remedies a `ConvergenceWarning` of ``--inference`` lists (never the one in use)."""
+    return MIXING_FIXES + ("" if inference == "gess" else TO_GESS) + "]"
 LAPLACE_FIXES = (
     "with pyro-subspace: --dtype float64 (float32 rounding stops the search), a larger "
     "--max-iter (the L-BFGS budget), --activation softplus, tanh or silu (a ReLU network's "
@@ -484,7 +488,7 @@ def run(args: argparse.Namespace) -> dict:
     t_infer = time.perf_counter() - t1
     sampled = f"{args.subspace.upper()}+{args.inference.upper()}"
     if mixing is not None and not mixing.ok:
-        notes.append(f"ConvergenceWarning: {sampled}: {'; '.join(mixing.problems)}{MIXING_FIXES}")
+        notes.append(f"ConvergenceWarning: {sampled}: {'; '.join(mixing.problems)}{mixing_fixes(args.inference)}")
 
     sigma2 = torch.tensor(sigma**2, dtype=DTYPES[args.dtype])
     zero = torch.zeros(1, sub.rank, dtype=sub.shift.dtype)  # ŵ: the SWA mean
