@@ -8,7 +8,7 @@ The work, with ``N·C ≥ K`` GGN rows (the GGN is formed; no Woodbury shortcut)
    (`gram.gram_from_blocks`, as `Evaluator.ggn` calls it) and ``Σ`` for one ``λ`` (`set_prior`);
 2. evidence: ``log|PᵀGP/T + λI|`` at that ``λ`` (`log_det`);
 3. GLM predictive: ``J Σ Jᵀ`` for ``m`` rows of ``J`` (`functional_covariance`, in blocks of
-   ``10⁶`` numbers, the library's `jacobians.INDEX_JACOBIAN_NUMBERS`);
+   ``10⁶`` numbers, the library's `jacobians.INDEX_JACOBIAN_NUMBERS`, at least 8 points);
 4. evidence for ``"marglik"`` (``--marglik``): ``log_det`` at another ``λ`` (the GGN's
    eigenvalues, both codes).
 
@@ -126,8 +126,11 @@ def run_one(commit, k, r, m, dtype_name, marglik, lowrank, out) -> None:
     cls = load_full(commit)
     ev = RowsEvaluator(k, r, dtype, lowrank)
     gen = torch.Generator().manual_seed(1)
-    # J in the library's blocks (`jacobians.INDEX_JACOBIAN_NUMBERS` numbers: 10^6 / (10 K) points)
-    n = max(1, 1_000_000 // (10 * k))
+    # J in the library's blocks (`jacobians.INDEX_JACOBIAN_NUMBERS` numbers, 10^6 / (10 K) points,
+    # but at least `jacobians.MIN_INDEX_POINTS`: 8 points, which changes only K > 12,500)
+    from pyro_subspace.curvature.jacobians import INDEX_JACOBIAN_NUMBERS, MIN_INDEX_POINTS
+
+    n = max(MIN_INDEX_POINTS, INDEX_JACOBIAN_NUMBERS // (10 * k))
     jac = [torch.randn(min(n, m // 10 - s), 10, k, generator=gen, dtype=dtype) for s in range(0, m // 10, n)]
     with blas_threads():
         pass  # threadpoolctl's first use allocates: before the baseline
