@@ -297,27 +297,28 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     n = args.n or (64 if args.quick else 512)
     length = 32 if args.quick else 64
-    if args.ess_ratio:
-        print(
-            f"# one ESS evaluation against a no-grad forward pass, GPT-2 {'(2 layers)' if args.quick else 'small'} "
-            f"+ LoRA r = 8, N = {n} sequences of {length} tokens, "
-            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, threads "
-            f"{torch.get_num_threads()}, load at start {os.getloadavg()[0]:.2f}"
-        )
-        ess_against_forward(args.quick, n, args.rounds)
-        print(f"load at the end {os.getloadavg()[0]:.2f}")
-        return
-    if args.per_batch:
-        with open("/proc/loadavg") as f:
-            load = f.read().split()[0]
-        print(
-            f"# K-FAC's parts on GPT-2 {'(2 layers)' if args.quick else 'small'} + LoRA r = 8, "
-            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, threads "
-            f"{torch.get_num_threads()}, load at start {load}"
-        )
-        per_batch(args.quick, n, args.rounds)
-        print(f"load at the end {os.getloadavg()[0]:.2f}")
-        return
+    model_name = f"GPT-2 {'(2 layers)' if args.quick else 'small'} + LoRA r = 8"
+    stamp = (
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, threads "
+        f"{torch.get_num_threads()}, load at start {os.getloadavg()[0]:.2f}"
+    )
+    interleaved_modes = {  # one process, parts interleaved: (header, run)
+        "ess_ratio": (
+            f"# one ESS evaluation against a no-grad forward pass, {model_name}, N = {n} "
+            f"sequences of {length} tokens, {stamp}",
+            lambda: ess_against_forward(args.quick, n, args.rounds),
+        ),
+        "per_batch": (
+            f"# K-FAC's parts on {model_name}, {stamp}",
+            lambda: per_batch(args.quick, n, args.rounds),
+        ),
+    }
+    for flag, (header, measure) in interleaved_modes.items():
+        if getattr(args, flag):
+            print(header)
+            measure()
+            print(f"load at the end {os.getloadavg()[0]:.2f}")
+            return
     model = build(args.quick)
     trainable = [q for q in model.parameters() if q.requires_grad]
     adapter_bytes = sum(q.numel() * q.element_size() for q in trainable)
