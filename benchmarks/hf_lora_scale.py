@@ -86,6 +86,17 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def training_step(model, opt, batch: dict) -> None:
+    """One AdamW step of the adapter on a dict batch (its ``labels`` popped), in train mode."""
+    model.train()
+    labels = batch.pop("labels")
+    loss = torch.nn.functional.cross_entropy(model(**batch).logits, labels)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    model.eval()
+
+
 #: ``--chunk-size``: rows per K-FAC pass (``infer.Laplace(chunk_size=)``), set in the children
 CHUNK = {"rows": 1024}
 
@@ -96,15 +107,9 @@ def _steps(model, x, y, rows, n: int) -> dict:
     trainable = [q for q in model.parameters() if q.requires_grad]
 
     def epoch():
-        model.train()
         opt = torch.optim.AdamW(trainable, lr=1e-4)
         for batch in DataLoader(rows, batch_size=8):
-            labels = batch.pop("labels")
-            loss = torch.nn.functional.cross_entropy(model(**batch).logits, labels)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        model.eval()
+            training_step(model, opt, batch)
 
     def forward():
         with torch.no_grad():
@@ -201,14 +206,7 @@ def per_batch(quick: bool, n: int, rounds: int) -> None:
     opt = torch.optim.AdamW(trainable, lr=0.0)  # lr 0: every round sees the same weights
 
     def step():
-        model.train()
-        batch = dict(next(iter(DataLoader(rows, batch_size=8))))
-        labels = batch.pop("labels")
-        loss = torch.nn.functional.cross_entropy(model(**batch).logits, labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        model.eval()
+        training_step(model, opt, dict(next(iter(DataLoader(rows, batch_size=8)))))
 
     def kfac_pass(fisher):
         return lambda: kfac(model, lik, DataLoader(rows, batch_size=8), fisher=fisher, dtype=torch.float64)

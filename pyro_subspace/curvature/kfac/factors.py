@@ -380,13 +380,15 @@ def _sums_bytes(layers: list[_Layer]) -> int:
     """The float64 factor sums' bytes: ``A`` ``(in, in)`` and ``G`` ``(out, out)`` per layer."""
     total = 0
     for lay in layers:
-        w = lay.weight if lay.weight is not None else lay.bias
+        w = lay.weight
+        if w is None:  # the bias alone: its G only
+            total += 8 * lay.bias.shape[0] ** 2
+            continue
         if lay.transposed:  # GPT-2's Conv1D stores W as (in, out)
-            fan_in, fan_out = w.shape[0], w.shape[-1]
+            fan_in, fan_out = w.shape[0], w.shape[1]
         else:
-            fan_in, fan_out = (w[0].numel() if w.dim() > 1 else 0), w.shape[0]
-        fan_in = fan_in + (1 if lay.augment else 0) if lay.weight is not None else 0
-        total += 8 * (fan_in**2 + fan_out**2)
+            fan_in, fan_out = w[0].numel(), w.shape[0]
+        total += 8 * ((fan_in + lay.augment) ** 2 + fan_out**2)
     return total
 
 
