@@ -238,3 +238,31 @@ def test_marglik_eigenvalues_in_the_buffers_dtype_where_float64_copies_do_not_fi
     want = torch.linalg.eigvalsh(c)
     assert float((got - want).abs().max()) < K * 6e-8 * float(want.max())
     assert held(post) == {"ggn"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_a_one_off_evidence_at_another_lambda_is_one_cholesky_not_an_eigendecomposition(
+    dtype, diagonal, monkeypatch
+):
+    """At ``K ≥`` `FACTOR_LOG_DET_MIN_K` the evidence at a prior other than the factor's, with
+    nothing to differentiate, is one Cholesky in the factor's memory (no eigenvalues, no dense
+    float64 copy), equal to the dense log-determinant; the factor comes back at the kept prior."""
+    monkeypatch.setattr(full, "FACTOR_LOG_DET_MIN_K", 64)
+    post, prior, c = fitted(dtype)
+    factor = post.scale_tril.clone()
+    seen, eigvalsh = [], torch.linalg.eigvalsh
+    monkeypatch.setattr(torch.linalg, "eigvalsh", lambda a: seen.append(a.dtype) or eigvalsh(a))
+    lam = torch.linspace(2.0, 4.0, K, dtype=torch.float64) if diagonal else torch.tensor(3.0).double()
+    got = post.log_det(PriorPrecision(lam, None, K))
+    want = torch.logdet(c / T + torch.diag(lam.expand(K)))
+    assert abs(float(got) - float(want)) < TOL[dtype] * K
+    assert seen == [] and held(post) == {"ggn", "scale_tril"}  # in the factor's memory
+    assert "scale_tril" in post.pending  # overwritten: formed again when read
+    assert rel(post.scale_tril, factor.double()) < TOL[dtype]
+    # a λ optimiser's eigenvalues, once computed, serve every later scalar λ in O(K)
+    post.log_det(PriorPrecision(torch.tensor(2.0).double().requires_grad_(), None, K))
+    assert len(seen) == 1
+    again = post.log_det(PriorPrecision(torch.tensor(5.0).double(), None, K))
+    want = torch.logdet(c / T + 5.0 * torch.eye(K, dtype=torch.float64))
+    assert abs(float(again) - float(want)) < TOL[dtype] * K and len(seen) == 1
