@@ -9,6 +9,8 @@
    full-covariance Laplace, top-20 GGN eigenpairs (Lanczos), the top-20 K-FAC eigenbasis
    (`subspaces.kfac_eigen`) + ESS in it, last-layer MoLA and ECMP patches:
    time and peak memory (RSS increase over the step, sampled every 5 ms) per step, vs N and D.
+   ``--resnet18``: the same pipeline on ResNet-18 (11.2M weights; `resnet18_pipeline`), each
+   step's time in training epochs, at N = 250 and 1,000 (memory flat in N).
 3. Streaming: the same evaluations from a ``DataLoader`` vs in-memory tensors: numbers and
    peak memory.
 
@@ -29,6 +31,7 @@ independent of what any allocator caches, it includes the process's baseline).
     python benchmarks/scale.py --full --rounds 3          # about 15 min on 2 idle cores
     python benchmarks/scale.py --full --rows 100000 --cnn-rows 32,64   # a smoke run
     python benchmarks/scale.py --ggn-memory                # about 6 min
+    python benchmarks/scale.py --resnet18                  # ResNet-18 rows at N = 250, 1000: hours
 """
 
 from __future__ import annotations
@@ -322,20 +325,161 @@ def cnn_pipeline(
     return rows
 
 
+def resnet18_pipeline(n: int, n_test: int, rank: int, draws: int, members: int, epochs: int,
+                      chunk: int = 128) -> list[tuple]:  # fmt: skip
+    """The pipeline at ResNet scale (issue 37): ResNet-18 with the CIFAR stem
+    (`subnetwork_resnet18.resnet18`, 11.2M weights, BatchNorm) on ``n`` synthetic CIFAR-shaped
+    images, every data pass chunked to ``chunk`` rows; rows (step, N, D, K, s, epochs, MB, peak
+    MB, test scores or None).
+
+    ``epochs`` SGD epochs (batch 128), the last of them timed alone as the unit of time; SWA at a
+    constant rate collecting ``rank`` snapshots (one an epoch) → PCA rank ``rank`` → ``draws``
+    elliptical-slice draws with the BatchNorm refresh (Subspace Inference's ``T = N/K``) → their
+    Bayesian model average on ``n_test`` images (BatchNorm refreshed for each draw);
+    `subspaces.kfac_eigen` rank ``rank`` (one K-FAC pass) → the same draws and average;
+    last-layer K-FAC Laplace over ``members`` networks (the first, and ``members − 1`` trained
+    the same way from other seeds, their training not timed) → MoLA's probit predictive.
+    """
+    from subnetwork_resnet18 import resnet18
+    from kfac_eigen import _bma
+
+    from pyro_subspace import FlatNet, fit_map, likelihoods, metrics, subspaces
+    from pyro_subspace.flat import eval_mode
+    from pyro_subspace.infer import MixtureOfLaplace
+
+    torch.manual_seed(0)
+    net, lik = resnet18(), likelihoods.Categorical()
+    x, y = synthetic(n, seed=0)
+    x_test, y_test = synthetic(n_test, seed=1)
+    d = sum(p.numel() for p in net.parameters())
+    rows = []
+
+    def step(name, k, fn, unit=None):
+        with PeakMemory() as mem:
+            start = time.perf_counter()
+            result = fn()
+            seconds = time.perf_counter() - start
+        unit = unit or rows[0][4]
+        scores = result if isinstance(result, dict) else None
+        rows.append((name, n, d, k, seconds, seconds / unit, mem.mb, mem.hwm_mb, scores))
+        print(f"# {name}: {seconds:.1f} s, peak RSS {mem.hwm_mb:.0f} MB", flush=True)
+        return result
+
+    def train(model, seed, count):
+        fit_map(model, lik, x, y, epochs=count, batch_size=128, lr=0.05, optimizer="sgd",
+                seed=seed, progress=False)  # fmt: skip
+
+    if epochs > 1:
+        train(net, 0, epochs - 1)
+    with PeakMemory() as mem:
+        start = time.perf_counter()
+        train(net, 100, 1)
+        epoch = time.perf_counter() - start
+    rows.append((f"one training epoch (SGD, batch 128; {epochs} in all)", n, d, 0, epoch, 1.0,
+                 mem.mb, mem.hwm_mb, None))  # fmt: skip
+
+    def test_scores(model):
+        flat = FlatNet(model)
+        with torch.no_grad(), eval_mode(model):
+            probs = torch.softmax(flat.chunked(flat.vector(), x_test, chunk), -1)
+        return metrics.classification_scores(probs.double(), y_test)
+
+    map_scores = test_scores(net)
+    collector = subspaces.SWACollector(net, max_snapshots=rank)
+
+    def swa():
+        fit_map(net, lik, x, y, epochs=0, batch_size=128, lr=0.05, optimizer="sgd", seed=1,
+                progress=False, collector=collector, swa_epochs=rank, swa_lr=0.01)  # fmt: skip
+        return subspaces.pca(collector, rank)
+
+    pca = step(f"SWA ({rank} epochs) + PCA rank {rank}", rank, swa)
+    step(f"{draws} ESS draws (BN refresh) + BMA, PCA", rank,
+         lambda: _bma(net, lik, pca, x, y, x_test, y_test, draws, 0, chunk, seed=0))  # fmt: skip
+    keig = step(f"kfac_eigen rank {rank} (one K-FAC pass)", rank,
+                lambda: subspaces.kfac_eigen(net, lik, x, rank, chunk_size=chunk))  # fmt: skip
+    step(f"{draws} ESS draws (BN refresh) + BMA, kfac_eigen", rank,
+         lambda: _bma(net, lik, keig, x, y, x_test, y_test, draws, 0, chunk, seed=0))  # fmt: skip
+    nets = [net]
+    for seed in range(1, members):
+        torch.manual_seed(seed)
+        other = resnet18()
+        train(other, seed, epochs)
+        nets.append(other.eval())
+
+    def mola():
+        mixture = MixtureOfLaplace(nets, lik, hessian_structure="kron", chunk_size=chunk)
+        mixture.fit(x, y)
+        probs = mixture.predict(x_test, method="probit").probs
+        return metrics.classification_scores(probs.double(), y_test)
+
+    head = net[-1].in_features
+    step(f"last-layer K-FAC MoLA ({members} members)", (head + 1) * 10, mola)
+    rows.append(("MAP network (after SWA's start)", n, d, 0, 0.0, 0.0, 0.0, 0.0, map_scores))
+    return rows
+
+
+def _resnet18_worker(args: tuple, out) -> None:
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    out.put(resnet18_pipeline(*args))
+
+
+def print_resnet18(rows: list[tuple]) -> None:
+    """The ResNet-18 rows: time in training epochs and peak RSS per step and N, test scores."""
+    ns = sorted({r[1] for r in rows})
+    steps = list(dict.fromkeys(r[0] for r in rows if r[4] > 0))
+    at = {(r[0], r[1]): r for r in rows}
+    print(f"\n## ResNet-18 pipeline (CIFAR stem, D = {rows[0][2]:,}, BatchNorm, 3x32x32 synthetic):"
+          " time (s) / training epochs / peak RSS (MB)")  # fmt: skip
+    print("| step | K | " + " | ".join(f"N = {n}" for n in ns) + " |")
+    print("|---|---|" + "---|" * len(ns))
+    for name in steps:
+        cells = [at.get((name, n)) for n in ns]
+        k = next(c[3] for c in cells if c)
+        print(f"| {name} | {k} | " + " | ".join(
+            f"{c[4]:.1f} / {c[5]:.2f} / {c[7]:.0f}" if c else "" for c in cells) + " |")  # fmt: skip
+    print("\n| test scores (N = {}) | accuracy | NLL | ECE |".format(ns[-1]))
+    print("|---|---|---|---|")
+    for r in rows:
+        if r[1] == ns[-1] and r[8] is not None:
+            sc = r[8]
+            print(f"| {r[0]} | {sc['acc']:.3f} | {sc['nll']:.3f} | {sc['ece']:.3f} |")
+
+
 def _pipeline_worker(args: tuple, out) -> None:
     torch.set_num_threads(1)
     out.put(cnn_pipeline(*args))
 
 
-def cnn_pipeline_fresh(*args) -> list[tuple]:
-    """`cnn_pipeline` in a fresh spawned process: no memory held over from other configs."""
+def _fresh(worker, args: tuple, timeout: float) -> list[tuple]:
+    """``worker(args, queue)`` in a fresh spawned process (no memory held over from other
+    configurations); its rows, or a ``RuntimeError`` as soon as it dies without them."""
+    import queue
+
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_pipeline_worker, args=(args, out))
+    proc = ctx.Process(target=worker, args=(args, out))
     proc.start()
-    rows = out.get(timeout=7200)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            rows = out.get(timeout=10)
+            break
+        except queue.Empty:
+            if not proc.is_alive() or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"{worker.__name__}{args}: died (exit code {proc.exitcode})")
     proc.join()
     return rows
+
+
+def cnn_pipeline_fresh(*args) -> list[tuple]:
+    """`cnn_pipeline` in a fresh spawned process."""
+    return _fresh(_pipeline_worker, args, 7200)
+
+
+def resnet18_fresh(*args) -> list[tuple]:
+    """`resnet18_pipeline` in a fresh spawned process."""
+    return _fresh(_resnet18_worker, args, 4 * 3600)
 
 
 def print_pipeline(rows: list[tuple]) -> None:
@@ -419,6 +563,8 @@ def main() -> None:
     parser.add_argument("--ggn-memory", action="store_true",
                         help="only the GGNOperator memory/time check on both CNNs "
                         "(benchmarks/ggn_operator_memory.py, its defaults)")  # fmt: skip
+    parser.add_argument("--resnet18", action="store_true",
+                        help="only the ResNet-18 pipeline rows (hours; --quick: a smoke run)")  # fmt: skip
     parser.add_argument(
         "--cnn-rows",
         default=None,
@@ -434,7 +580,15 @@ def main() -> None:
     load = os.getloadavg()
     print(f"# benchmarks/scale.py  {datetime.date.today()}  torch threads 1 per process, "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")  # fmt: skip
-    if args.scaling_only:
+    if args.resnet18:
+        table = []
+        if args.quick:  # a smoke run: every step on 32 images, rank 2, 2 draws, 2 members
+            table += resnet18_fresh(32, 32, 2, 2, 2, 1, 16)
+        else:
+            for n in [int(v) for v in (args.cnn_rows or "250,1000").split(",")]:
+                table += resnet18_fresh(n, 1000, 20, 10, 3, 2)
+        print_resnet18(table)
+    elif args.scaling_only:
         strong_scaling(args.rows or 1_000_000, args.rounds, shape=(10, 200))
     elif args.full:
         cnn_rows = [int(v) for v in (args.cnn_rows or "256,512,1024").split(",")]

@@ -1,3 +1,5 @@
+import importlib
+
 import numpy as np
 import pytest
 import torch
@@ -221,3 +223,33 @@ def test_frequent_directions_collector_spans_planted_directions_of_a_long_trajec
         SWACollector(net, method="frequent_directions")
     with pytest.raises(ValueError, match="method"):
         SWACollector(net, method="online")
+
+
+@pytest.mark.parametrize("rank,snapshots", [(3, 12), (5, 5), ("mle", 12)])
+def test_pca_from_the_gram_matrix_equals_the_svd_block_by_block(rank, snapshots, monkeypatch):
+    """Where ``M <= K + 10`` (and for ``"mle"``) the basis comes from the ``(M, M)`` Gram
+    matrix of the deviations, block by block over the weights: it equals scikit-learn's
+    ``randomized_svd`` (the other route, exact there: its sketch spans every snapshot) and the
+    dense SVD, signs included, with blocks of a few weights as with one block."""
+    from sklearn.utils.extmath import randomized_svd
+
+    module = importlib.import_module("pyro_subspace.subspaces.pca")  # not the function pca
+    net = small_net()
+    col = SWACollector(net, max_snapshots=snapshots)
+    d = col.flat.num_weights
+    planted = torch.randn(d, 4, dtype=torch.float64) * torch.tensor([3.0, 2.0, 1.0, 0.5]).double()
+    run_trajectory(net, col, planted, steps=snapshots + 4, noise=0.05)
+    dev = col.covariance_factor().double().numpy()
+    whole = subspaces.pca(col, rank=rank)
+    k = whole.rank
+    _, s, vt = randomized_svd(dev, k, random_state=0)
+    want = torch.from_numpy(vt.T * s)
+    scale = float(want.abs().max())
+    assert float((whole.basis.double() - want).abs().max()) < 1e-5 * scale  # float32 basis
+    u, s_dense, _ = np.linalg.svd(dev, full_matrices=False)
+    signs = np.sign(u[np.abs(u).argmax(0), range(u.shape[1])])  # the convention, from the SVD
+    dense = torch.from_numpy((dev.T @ (u * signs))[:, :k])
+    assert float((whole.basis.double() - dense).abs().max()) < 1e-5 * scale
+    monkeypatch.setattr(module, "GRAM_BLOCK_NUMBERS", 3 * snapshots)  # blocks of 3 weights
+    blocks = subspaces.pca(col, rank=rank)
+    assert float((blocks.basis.double() - whole.basis.double()).abs().max()) < 1e-6 * scale
