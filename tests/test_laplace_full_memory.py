@@ -266,3 +266,41 @@ def test_a_one_off_evidence_at_another_lambda_is_one_cholesky_not_an_eigendecomp
     again = post.log_det(PriorPrecision(torch.tensor(5.0).double(), None, K))
     want = torch.logdet(c / T + 5.0 * torch.eye(K, dtype=torch.float64))
     assert abs(float(again) - float(want)) < TOL[dtype] * K and len(seen) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("cloned", [False, True])
+def test_the_state_holds_the_two_matrices_and_the_prior_and_loads_bit_for_bit(
+    dtype, cloned, tmp_path, monkeypatch
+):
+    """A fitted posterior's state: the GGN and the factor, the prior they were formed with,
+    and zero-stride placeholders for the unformed ``Σ⁻¹`` and ``Σ`` (at the paper's ``K`` two
+    matrices saved, not four). Loaded (from disk, or from a cloned state whose placeholders
+    became zeros), the two are formed on first use from the saved prior, equal bit for bit to
+    the original's; the evidence is read off the loaded factor."""
+    monkeypatch.setattr(full, "FACTOR_LOG_DET_MIN_K", 64)
+    post, prior, c = fitted(dtype, lam=[0.5 + i / K for i in range(K)])
+    state = post.state_dict()
+    assert held(post) == {"ggn", "scale_tril"}  # saving formed nothing more
+    assert {n for n in full.BUFFERS if 0 in state[n].stride()} == {
+        "precision_matrix", "covariance_matrix"
+    }
+    assert torch.equal(state["formed_prior_lam"], prior.lam) and state["formed_prior_gram"].numel() == 0
+    if cloned:
+        state = {name: value.clone() for name, value in state.items()}
+    torch.save(state, tmp_path / "post.pt")
+    loaded = FullPosterior(K, dtype=dtype)
+    loaded.load_state_dict(torch.load(tmp_path / "post.pt", weights_only=True))
+    assert held(loaded) == {"ggn", "scale_tril"}
+    assert loaded.pending == {"precision_matrix", "covariance_matrix"}
+    assert torch.equal(loaded.log_det(prior), post.log_det(prior))  # off the factor
+    assert torch.equal(loaded.precision_matrix, post.precision_matrix)
+    assert torch.equal(loaded.covariance_matrix, post.covariance_matrix)
+    assert rel(loaded.covariance_matrix, torch.linalg.inv(c / T + torch.diag(prior.lam))) < TOL[dtype]
+    again = FullPosterior(K, dtype=dtype)  # a state with everything formed: all four kept
+    again.load_state_dict(post.state_dict())
+    assert held(again) == set(full.BUFFERS) and again.pending == frozenset()
+    assert torch.equal(again.precision_matrix, post.precision_matrix)
+    unfitted = FullPosterior(K, dtype=dtype)
+    unfitted.load_state_dict(FullPosterior(K, dtype=dtype).state_dict())
+    assert held(unfitted) == set()  # placeholders stay placeholders: no (K, K) memory

@@ -121,7 +121,9 @@ class Posterior(nn.Module, ABC):
         return f"dim={self.dim}"
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
-        writable_buffers_(self, list(self._buffers))  # e.g. a scalar λ's `per_coordinate`
+        # the buffers this state writes (e.g. a scalar λ's `per_coordinate`); a buffer it does
+        # not write keeps its memory, or its lack of memory
+        writable_buffers_(self, [name for name in self._buffers if prefix + name in state_dict])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property
