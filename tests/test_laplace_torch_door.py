@@ -64,9 +64,10 @@ def test_classification_by_name_is_the_categorical_likelihood(name):
 def test_regression_by_name_takes_sigma_noise_at_construction(name):
     net, x, y = _regressor()
     by_name = infer.Laplace(net, name, "all", "full", prior_precision=LAM, sigma_noise=0.3).fit(x, y)
-    lik = likelihoods.Gaussian(sigma=0.3)
+    dtype = next(net.parameters()).dtype  # σ in the network's dtype, as laplace-torch keeps it
+    lik = likelihoods.Gaussian(sigma=torch.tensor(0.3, dtype=dtype))
     by_object = infer.Laplace(net, lik, "all", "full", prior_precision=LAM).fit(x, y)
-    assert float(by_name.sigma_noise) == pytest.approx(0.3)
+    assert by_name.sigma_noise.dtype == dtype and float(by_name.sigma_noise) == float(torch.tensor(0.3, dtype=dtype))
     for a, b in zip(by_name(x), by_object(x)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(by_name.log_marginal_likelihood(), by_object.log_marginal_likelihood())

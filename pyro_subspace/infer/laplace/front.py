@@ -182,7 +182,9 @@ def Laplace(
     """
     if not isinstance(net, nn.Module):
         raise TypeError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
-    likelihood, reward_modeling = _door_likelihood(likelihood, sigma_noise)
+    floats = [p.dtype for p in net.parameters() if p.is_floating_point()]
+    dtype = floats[0] if floats else torch.get_default_dtype()
+    likelihood, reward_modeling = _door_likelihood(likelihood, sigma_noise, dtype)
     prior_precision = float(ck.prior_precision(prior_precision, 1))
     check_temperature(temperature)
     if hessian_structure is None:  # laplace-torch's default where K-FAC applies

@@ -133,9 +133,13 @@ LT_DEFAULT = object()
 LIKELIHOOD_NAMES = ("classification", "regression", "reward_modeling")
 
 
-def _door_likelihood(likelihood: object, sigma_noise: object) -> tuple[Likelihood, bool]:
+def _door_likelihood(
+    likelihood: object, sigma_noise: object, dtype: torch.dtype
+) -> tuple[Likelihood, bool]:
     """``(likelihood object, reward modeling?)`` from a `Likelihood` or laplace-torch's name
-    (or its ``Likelihood`` enum member, by value); ``sigma_noise`` checked against it."""
+    (or its ``Likelihood`` enum member, by value); ``sigma_noise`` checked against it and, as
+    laplace-torch keeps it, in the network's ``dtype`` (a float64 network's ``σ = 0.8`` is
+    float64's 0.8, not float32's)."""
     name = enum_value(likelihood)
     if isinstance(name, str):
         if name not in LIKELIHOOD_NAMES:
@@ -150,7 +154,8 @@ def _door_likelihood(likelihood: object, sigma_noise: object) -> tuple[Likelihoo
             )
         if name == "regression":
             sigma = 1.0 if sigma_noise is None else float(_as_scalar(sigma_noise, "sigma_noise"))
-            return Gaussian(sigma=ck.positive_float(sigma, "sigma_noise")), False
+            sigma = torch.tensor(ck.positive_float(sigma, "sigma_noise"), dtype=dtype)
+            return Gaussian(sigma=sigma), False
         return Categorical(), name == "reward_modeling"
     check_likelihood(likelihood)
     if sigma_noise is not None and not likelihood.noise_scale_tunable:
