@@ -446,7 +446,12 @@ def _invert_reversed_cholesky_(s: torch.Tensor) -> int:
 def solve_reversed_cholesky(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """After `cholesky_reversed_` (``J P J = M Mᵀ``): ``Y = X J M⁻ᵀ`` ``(m, K)`` for ``X``
     ``(m, K)``, so that ``X P⁻¹ Xᵀ = Y Yᵀ`` (BLAS ``trsm``, ``m·K²/2`` multiplications; only the
-    result beside ``X``)."""
+    result beside ``X``). Above `BLOCKED_ROW_BYTES` (and off CPU) torch's ``trsm`` on the
+    C-ordered upper triangle ``Mᵀ`` (``Y Mᵀ = X J``, no copy of it), as the factorisations
+    there avoid SciPy's OpenBLAS."""
+    if _blocked(s) or s.device.type != "cpu":
+        xr = x.to(s.dtype).flip(-1)
+        return torch.linalg.solve_triangular(s.detach(), xr, upper=True, left=False)
     from scipy.linalg import blas
 
     trsm = blas.strsm if s.dtype == torch.float32 else blas.dtrsm
