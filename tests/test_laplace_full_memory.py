@@ -304,3 +304,44 @@ def test_the_state_holds_the_two_matrices_and_the_prior_and_loads_bit_for_bit(
     unfitted = FullPosterior(K, dtype=dtype)
     unfitted.load_state_dict(FullPosterior(K, dtype=dtype).state_dict())
     assert held(unfitted) == set()  # placeholders stay placeholders: no (K, K) memory
+
+
+def test_the_fit_gives_the_passes_freed_heap_back_before_the_factor(monkeypatch):
+    """After the Jacobian passes of a fit whose GGN holds at least `heap.TRIM_MIN_BYTES`, the
+    C heap's free pages go back to the OS (glibc ``malloc_trim``) before the factor is formed;
+    below it, not."""
+    from pyro_subspace import heap
+
+    calls = []
+    monkeypatch.setattr(heap, "trim", lambda: calls.append(1) or True)
+    fitted(torch.float64)
+    assert calls == []  # 96 x 96: far below 1 GiB
+    monkeypatch.setattr(heap, "TRIM_MIN_BYTES", 8 * K * K)
+    fitted(torch.float64)
+    assert calls == [1]
+
+
+def test_trim_returns_free_heap_pages_where_glibc_has_malloc_trim():
+    """`heap.trim` on glibc: after freeing many blocks below the mmap threshold the heap's free
+    pages are released (RSS falls); elsewhere it is a no-op returning False."""
+    import ctypes.util
+    import os
+
+    from pyro_subspace import heap
+
+    if heap._malloc_trim() is None or not os.path.exists("/proc/self/statm"):
+        assert heap.trim() is False
+        return
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    assert ctypes.util.find_library("c")
+    blocks = [bytearray(64 * 1024) for _ in range(4096)]  # 256 MiB of 64 KiB heap blocks
+    for b in blocks:
+        b[::4096] = b"\x01" * len(b[::4096])  # touched: resident
+    before = rss()
+    del blocks[:-1]  # all but the last: free, below the top of the heap
+    assert heap.trim() is True
+    assert rss() < before - 128 * 2**20  # most of the 256 MiB given back

@@ -72,6 +72,7 @@ from ....linalg import (
     symmetrize_,
     tril_outer_,
 )
+from .... import heap
 from .base import Posterior, PriorPrecision, stacked_jacobians
 
 #: The buffers a fit from rows may leave to first use.
@@ -351,6 +352,8 @@ class FullPosterior(Posterior):
         self._reset_deferred(rows if ggn is None else None)  # None: the GGN is left pending
         if ggn is not None:
             self._buffers["ggn"] = ggn.detach().to(self.buffer_dtype)
+            # the Jacobian passes' freed row blocks back to the OS before the factor's memory
+            heap.trim_after(ggn.numel() * ggn.element_size())
 
     def scale_curvature_(self, c: float) -> None:
         self.ggn.mul_(c)  # a new version: the kept rows no longer count
