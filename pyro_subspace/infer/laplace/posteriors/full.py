@@ -391,7 +391,7 @@ class FullPosterior(Posterior):
         allocates again)."""
         buf = self._buffers[name]
         if buf.is_contiguous():
-            self._buffers[name] = buf.new_zeros(()).expand(self.dim, self.dim)
+            self._buffers[name] = _placeholder(buf)
 
     def _ggn_key(self) -> tuple:
         ggn = self._buffers["ggn"]
