@@ -315,9 +315,49 @@ def test_the_fit_gives_the_passes_freed_heap_back_before_the_factor(monkeypatch)
     calls = []
     monkeypatch.setattr(heap, "trim", lambda: calls.append(1) or True)
     fitted(torch.float64)
-    assert calls == []  # 96 x 96: far below 1 GiB
+    assert calls == []  # 96 x 96: far below TRIM_MIN_BYTES
     monkeypatch.setattr(heap, "TRIM_MIN_BYTES", 8 * K * K)
     fitted(torch.float64)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_grids_jacobians_in_the_buffers_dtype_and_their_heap_given_back(dtype, monkeypatch):
+    """The grid search's validation Jacobians (`tuning.grid_covariances`) are stacked once, in
+    the dtype the sweep computes in (the buffers': no float64 copy of a float32 pass), the
+    sweep agrees with dense linear algebra, and once the pass's blocks held at least
+    `heap.TRIM_MIN_BYTES` the freed C heap is given back; below it, not."""
+    from torch import nn
+
+    from pyro_subspace import SubspaceNet, heap, likelihoods, subspaces
+    from pyro_subspace.flat import FlatNet
+    from pyro_subspace.infer import AutoSubspaceLaplace
+    from pyro_subspace.infer.laplace import tuning
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 24), nn.Tanh(), nn.Linear(24, 4)).to(dtype)
+    x = torch.randn(80, 4, dtype=dtype)
+    y = torch.randint(0, 4, (80,))
+    idx = torch.randperm(sum(p.numel() for p in net.parameters()))[:K]
+    sub = subspaces.subnetwork(net, strategy="indices", indices=idx)
+    la = AutoSubspaceLaplace(SubspaceNet(net, sub, likelihoods.Categorical()), prior_precision=0.8)
+    la.fit(x, y, find_map=False)
+    stacked, calls = [], []
+    original = full.stacked_jacobians
+    monkeypatch.setattr(full, "stacked_jacobians", lambda *a: stacked.append(original(*a)) or stacked[-1])
+    monkeypatch.setattr(heap, "trim", lambda: calls.append(1) or True)
+    xv = x[:9]
+    _, f_cov = tuning.grid_covariances(la, xv, chunk_size=4)  # three blocks of (≤4, 4, 96)
+    assert calls == [] and [j.dtype for j in stacked] == [dtype]
+    w = sub.weights(la.loc).detach()
+    jac = torch.cat([j for _, j in sub.jacobian_blocks(FlatNet(net), xv, w, 64)]).double()
+    for lam in (0.1, 0.8, 5.0):
+        cov = torch.linalg.inv(la.ggn.double() / la.temperature + lam * torch.eye(K, dtype=torch.float64))
+        want = torch.einsum("nok,kl,npl->nop", jac, cov, jac)
+        got = f_cov(torch.tensor(lam, dtype=torch.float64))
+        assert got.dtype == torch.float64 and rel(got, want) < 10 * TOL[dtype], lam
+    monkeypatch.setattr(heap, "TRIM_MIN_BYTES", jac.numel() * torch.empty((), dtype=dtype).element_size())
+    tuning.grid_covariances(la, xv, chunk_size=4)
     assert calls == [1]
 
 

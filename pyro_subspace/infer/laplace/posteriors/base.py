@@ -338,13 +338,16 @@ class Posterior(nn.Module, ABC):
         )
 
 
-def stacked_jacobians(blocks: Iterable[torch.Tensor], dim: int, rows=None) -> torch.Tensor:
-    """The grid sweeps' Jacobians ``(N, O, K)`` float64 from `functional_covariance_on_grid`'s
+def stacked_jacobians(
+    blocks: Iterable[torch.Tensor], dim: int, rows=None, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """The grid sweeps' Jacobians ``(N, O, K)`` in ``dtype`` from `functional_covariance_on_grid`'s
     ``blocks``: Jacobian blocks ``(n, O, K)``, or with ``rows`` ``(O, P̃)`` a last layer's
-    features ``(n, P̃)``, scattered as ``J[n, c, rows[c, p]] = φ̃[n, p]``."""
+    features ``(n, P̃)``, scattered as ``J[n, c, rows[c, p]] = φ̃[n, p]``. Each block is
+    converted as it is taken: no copy of them all in another dtype beside the result."""
     out = []
     for b in blocks:
-        b = b.double()
+        b = b.to(dtype)
         if rows is not None:
             j = b.new_zeros(b.shape[0], rows.shape[0], dim)
             for i in range(rows.shape[0]):

@@ -773,7 +773,9 @@ class FullPosterior(Posterior):
         unit = prior_at(torch.tensor(1.0, dtype=torch.float64))
         if unit.lam.dim() != 0:
             return super().functional_covariance_on_grid(blocks, prior_at, rows)
-        jp = stacked_jacobians(blocks, self.dim, rows)  # shape: (N, O, K)
+        # in the dtype its route computes in (the buffers' for λI): no float64 copy beside
+        dtype = self.buffer_dtype if unit.gram is None else torch.float64
+        jp = stacked_jacobians(blocks, self.dim, rows, dtype)  # shape: (N, O, K)
         n, o, k = jp.shape
         temperature = float(self.temperature)
         if unit.gram is None:
