@@ -1133,6 +1133,67 @@ def marglik_regression(lib, n_epochs=1000):
     }  # fmt: skip
 
 
+def regression_map(n_epochs: int):
+    """The regression example's float32 MAP (its data, seeds, network and Adam loop):
+    ``(net, x, y)``."""
+    with default_dtype(F32):
+        torch.manual_seed(711)
+        x, y, _, _ = get_sinusoid_example(150, 0.3)
+        torch.manual_seed(711)
+        net = torch.nn.Sequential(torch.nn.Linear(1, 50), torch.nn.Tanh(), torch.nn.Linear(50, 1))
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+        for _ in range(n_epochs):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+    return net, x, y
+
+
+def hyper_loop(la, dtype, n_steps):
+    """The regression example's loop on ``log λ, log σ`` (Adam, lr 0.1); returns ``(λ, σ)``."""
+    log_prior = torch.ones(1, dtype=dtype, requires_grad=True)
+    log_sigma = torch.ones(1, dtype=dtype, requires_grad=True)
+    opt = torch.optim.Adam([log_prior, log_sigma], lr=1e-1)
+    for _ in range(n_steps):
+        opt.zero_grad()
+        (-la.log_marginal_likelihood(log_prior.exp(), log_sigma.exp())).backward()
+        opt.step()
+    return float(log_prior.exp()), float(log_sigma.exp())
+
+
+def float32_spread(n_epochs: int = 300, n_steps: int = 300) -> list[tuple[str, float, float]]:
+    """How far float32 rounding alone moves the regression example's tuned ``(λ, σ)``: on one
+    float32 MAP, laplace-torch's full Laplace fitted with the same GGN summed in other orders
+    (batch sizes 150, 50, 1; BackPack and curvlinops backends) and ours, each tuned by the
+    example's loop; rows ``(name, λ, σ)``, the first laplace-torch in float64 on the same
+    weights (the exact value up to 1e-13)."""
+    import copy
+
+    import laplace
+    from laplace.curvature import BackPackGGN, CurvlinopsGGN
+
+    from pyro_subspace.infer import Laplace
+
+    net, x, y = regression_map(n_epochs)
+
+    def loader(batch_size, dtype=F32):
+        data = data_utils.TensorDataset(x.to(dtype), y.to(dtype))
+        return data_utils.DataLoader(data, batch_size=batch_size)
+
+    rows = []
+    with default_dtype(F64):
+        la = laplace.Laplace(copy.deepcopy(net).double(), "regression", subset_of_weights="all", hessian_structure="full")
+        la.fit(loader(150, F64))
+        rows.append(("laplace-torch float64, batch 150", *hyper_loop(la, F64, n_steps)))
+    for backend, batch_size in [(BackPackGGN, 150), (BackPackGGN, 50), (BackPackGGN, 1), (CurvlinopsGGN, 150)]:
+        la = laplace.Laplace(net, "regression", subset_of_weights="all", hessian_structure="full", backend=backend)
+        la.fit(loader(batch_size))
+        rows.append((f"laplace-torch float32, {backend.__name__}, batch {batch_size}", *hyper_loop(la, F32, n_steps)))
+    la = Laplace(net, "regression", subset_of_weights="all", hessian_structure="full").fit(loader(150))
+    rows.append(("pyro_subspace float32, batch 150", *hyper_loop(la, F32, n_steps)))
+    return rows
+
+
 def _headline(value) -> str:
     if isinstance(value, str):
         return value.splitlines()[0][:28]
@@ -1157,8 +1218,20 @@ def main(argv=None) -> int:
                         help="only the regression example's marglik_training, N epochs")  # fmt: skip
     parser.add_argument("--float64", dest="dtype", action="store_const", const=F64, default=F32,
                         help="--marglik-epochs in float64 (default: the script's float32)")  # fmt: skip
+    parser.add_argument("--float32-spread", action="store_true",
+                        help="only the regression example's float32 lambda under other summation orders")  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.float32_spread:
+        print(f"# the regression example's tuned lambda and sigma in float32 under other summation orders "
+              f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; 1 thread; uptime: "
+              f"{subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()})")  # fmt: skip
+        rows = float32_spread()
+        base = rows[1]  # laplace-torch's default: BackPack, the script's batch of 150
+        print(f"{'run':52s} {'lambda':>10s} {'sigma':>10s} {'lambda vs default':>18s} {'lambda vs float64':>18s}")
+        for name, lam, sigma in rows:
+            print(f"{name:52s} {lam:10.6f} {sigma:10.6f} {abs(lam / base[1] - 1):18.1e} {abs(lam / rows[0][1] - 1):18.1e}")
+        return 0
     if args.marglik_epochs:
         start = time.perf_counter()
         results = run(marglik_regression, args.dtype, n_epochs=args.marglik_epochs)

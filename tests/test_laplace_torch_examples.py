@@ -46,7 +46,9 @@ def test_regression_example():
     ``marglik_training`` (full, BackPackGGN, scalar prior). Epochs shortened (the script: 1000
     each). In float32 (the script's dtype) its numbers cannot agree to 1e-4: laplace-torch's
     own float32 λ is 2.3e-3 from its float64 λ on the same weights (the full GGN's float32
-    rounding, most of its spectrum near 0), so the float32 run is checked for accuracy instead
+    rounding, most of its spectrum near 0), and moves 7.5e-3 when only its batch size changes
+    (150 → 50: `benchmarks/laplace_torch_examples.py --float32-spread`; ours is 2.0e-3 from its
+    default), so the float32 run is checked for accuracy instead
     (`test_float32_curvature_and_evidence_as_accurate_as_laplace_torch`) and its
     ``marglik_training`` to 1e-2 (`test_regression_example_marglik_training_float32`)."""
     agree(ex.run(ex.regression_example, F64, n_epochs=100, n_epochs_marglik=5, n_test=50), F64)
@@ -161,33 +163,6 @@ def test_docs_marginal_likelihood(dtype):
     assert abs(ours - fd) <= 1e-6 * abs(fd), (ours, fd)
 
 
-def _regression_net(n_epochs: int):
-    """The regression example's float32 MAP (its data, seeds, network and Adam loop)."""
-    with ex.default_dtype(F32):
-        torch.manual_seed(711)
-        x, y, loader, _ = ex.get_sinusoid_example(150, 0.3)
-        torch.manual_seed(711)
-        net = torch.nn.Sequential(torch.nn.Linear(1, 50), torch.nn.Tanh(), torch.nn.Linear(50, 1))
-        opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-        for _ in range(n_epochs):
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(net(x), y).backward()
-            opt.step()
-    return net, x, y
-
-
-def _hyper_loop(la, dtype, n_steps):
-    """The regression example's loop on ``log λ, log σ`` (Adam, lr 0.1); returns ``(λ, σ)``."""
-    log_prior = torch.ones(1, dtype=dtype, requires_grad=True)
-    log_sigma = torch.ones(1, dtype=dtype, requires_grad=True)
-    opt = torch.optim.Adam([log_prior, log_sigma], lr=1e-1)
-    for _ in range(n_steps):
-        opt.zero_grad()
-        (-la.log_marginal_likelihood(log_prior.exp(), log_sigma.exp())).backward()
-        opt.step()
-    return float(log_prior.exp()), float(log_sigma.exp())
-
-
 def test_float32_curvature_and_evidence_as_accurate_as_laplace_torch():
     """Issue 36 (a), on the regression example's float32 MAP (151 weights, most of the GGN's
     spectrum near 0): our float32 GGN carries no more negative eigen-mass than laplace-torch's
@@ -205,7 +180,7 @@ def test_float32_curvature_and_evidence_as_accurate_as_laplace_torch():
 
     from pyro_subspace.infer import Laplace
 
-    net, x, y = _regression_net(300)
+    net, x, y = ex.regression_map(300)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=150)
     ours = Laplace(net, "regression", subset_of_weights="all", hessian_structure="full").fit(loader)
     theirs = laplace.Laplace(net, "regression", subset_of_weights="all", hessian_structure="full")
@@ -223,9 +198,9 @@ def test_float32_curvature_and_evidence_as_accurate_as_laplace_torch():
         net64 = copy.deepcopy(net).double()
         loader64 = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.double(), y.double()), batch_size=150)
         exact = Laplace(net64, "regression", subset_of_weights="all", hessian_structure="full").fit(loader64)
-        lam64, sigma64 = _hyper_loop(exact, F64, 300)
-    lam_ours, sigma_ours = _hyper_loop(ours, F32, 300)
-    lam_theirs, sigma_theirs = _hyper_loop(theirs, F32, 300)
+        lam64, sigma64 = ex.hyper_loop(exact, F64, 300)
+    lam_ours, sigma_ours = ex.hyper_loop(ours, F32, 300)
+    lam_theirs, sigma_theirs = ex.hyper_loop(theirs, F32, 300)
     err_ours, err_theirs = abs(lam_ours / lam64 - 1), abs(lam_theirs / lam64 - 1)
     assert err_ours <= 2 * err_theirs, (lam_ours, lam_theirs, lam64)
     assert abs(sigma_ours / sigma64 - 1) <= 2 * abs(sigma_theirs / sigma64 - 1) + 1e-5
