@@ -107,9 +107,10 @@ def _cnn():
     return net.double(), (24, 2, 4, 4)
 
 
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
 @pytest.mark.parametrize("make", [_mlp, _cnn], ids=["mlp", "cnn"])
 @pytest.mark.parametrize("eigenvalues", ["kfac", "ekfac"])
-def test_eigenpairs_equal_curvlinops(make, eigenvalues):
+def test_eigenpairs_equal_curvlinops(make, eigenvalues, approx):
     curvlinops = pytest.importorskip("curvlinops")
     net, shape = make()
     gen = torch.Generator().manual_seed(2)
@@ -120,9 +121,10 @@ def test_eigenpairs_equal_curvlinops(make, eigenvalues):
     op = op_class[eigenvalues](
         net, nn.CrossEntropyLoss(reduction="sum"), list(net.parameters()),
         [(x[:n], y[:n]), (x[n:], y[n:])], fisher_type="type-2", check_deterministic=False,
+        kfac_approx=approx,
     )  # fmt: skip
     k = 10
-    sub = subspaces.kfac_eigen(net, likelihoods.Categorical(), x, k, eigenvalues=eigenvalues)
+    sub = subspaces.kfac_eigen(net, likelihoods.Categorical(), x, k, eigenvalues=eigenvalues, conv=approx)
     p = sub.dense_basis()
     bp = op @ p  # curvlinops' (E)KFAC times each column
     scale = float(sub.eigenvalues[0])
@@ -134,8 +136,9 @@ def test_eigenpairs_equal_curvlinops(make, eigenvalues):
         assert torch.allclose(sub.eigenvalues, top, rtol=0, atol=1e4 * EPS * scale)
 
 
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
 @pytest.mark.parametrize("make", [_mlp, _cnn], ids=["mlp", "cnn"])
-def test_every_candidate_gives_the_top_of_curvlinops_ekfac_spectrum(make):
+def test_every_candidate_gives_the_top_of_curvlinops_ekfac_spectrum(make, approx):
     """``candidates = D``: every Kronecker direction re-estimated, the top ``K`` kept: the
     eigenpairs are the top of curvlinops' dense EKFAC operator."""
     curvlinops = pytest.importorskip("curvlinops")
@@ -145,11 +148,11 @@ def test_every_candidate_gives_the_top_of_curvlinops_ekfac_spectrum(make):
     y = torch.randint(0, 4, (shape[0],), generator=gen)
     op = curvlinops.EKFACLinearOperator(
         net, nn.CrossEntropyLoss(reduction="sum"), list(net.parameters()), [(x, y)],
-        fisher_type="type-2", check_deterministic=False,
+        fisher_type="type-2", check_deterministic=False, kfac_approx=approx,
     )  # fmt: skip
     k, d = 8, sum(p.numel() for p in net.parameters())
     sub = subspaces.kfac_eigen(
-        net, likelihoods.Categorical(), x, k, eigenvalues="ekfac", candidates=d
+        net, likelihoods.Categorical(), x, k, eigenvalues="ekfac", candidates=d, conv=approx
     )
     dense = op @ torch.eye(d, dtype=torch.float64)
     top = torch.linalg.eigvalsh((dense + dense.T) / 2).flip(0)[:k]
@@ -345,6 +348,7 @@ def test_eigenvalues_are_the_top_of_the_assembled_kfac_matrix(options):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
     lik = likelihoods.Categorical()
     k = 12
+    options = {"conv": "expand"} | options  # (kfac_eigen's "auto" would take "reduce" here)
     sub = subspaces.kfac_eigen(net, lik, x, k, **options)
     factors = kfac(net, lik, x, **options)
     dense = factors.to_dense()
@@ -354,6 +358,35 @@ def test_eigenvalues_are_the_top_of_the_assembled_kfac_matrix(options):
     assert torch.allclose(sub.eigenvalues, top, rtol=0, atol=1e3 * EPS * scale)
     p = sub.dense_basis()
     assert torch.allclose(dense @ p, p * sub.eigenvalues, rtol=0, atol=1e3 * EPS * scale)
+
+
+def test_auto_weight_sharing_is_reduce_for_one_row_a_point_and_expand_for_rows_per_token():
+    """``conv="auto"``: a CNN classifier (one output row per image: its locations pooled before
+    the likelihood) gets K-FAC-reduce, the subspace of ``conv="reduce"``; a network that gives
+    one output row per token (``(B, L, d) → (B·L, O)``) gets K-FAC-expand."""
+    from pyro_subspace.subspaces.kfac_eigen import weight_sharing
+
+    net, shape = _cnn()
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    assert weight_sharing(net, x) == "reduce"
+    lik = likelihoods.Categorical()
+    auto, reduce = (subspaces.kfac_eigen(net, lik, x, 6, conv=c) for c in ("auto", "reduce"))
+    expand = subspaces.kfac_eigen(net, lik, x, 6, conv="expand")
+    assert torch.equal(auto.eigenvalues, reduce.eigenvalues)
+    assert not torch.allclose(auto.eigenvalues, expand.eigenvalues)  # the choice matters here
+    torch.manual_seed(0)
+    conv1d = nn.Conv1d(3, 4, 1).double()
+
+    class PerToken(nn.Module):  # (B, L, 3) → (B·L, 4): a tagger's logits, one row per token
+        def forward(self, z):
+            return conv1d(z.transpose(1, 2)).transpose(1, 2).reshape(-1, 4)
+
+    tokens = torch.randn(5, 7, 3, dtype=torch.float64)
+    assert weight_sharing(PerToken(), tokens) == "expand"
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(x, torch.zeros(shape[0], dtype=torch.long)), batch_size=5)
+    assert weight_sharing(net, loader) == "reduce"
 
 
 # ------------------------------------------------------------------ networks that reshape their batch
@@ -379,13 +412,13 @@ def test_networks_that_reshape_their_batch(name):
         expected[b0:b1, b0:b1] = g
     k = 5
     lik = likelihoods.Categorical()
-    sub = subspaces.kfac_eigen(net, lik, x, k)
+    sub = subspaces.kfac_eigen(net, lik, x, k, conv="expand")  # the definition's convention
     p = sub.dense_basis()
     scale = float(sub.eigenvalues[0])
     top = torch.linalg.eigvalsh(expected).flip(0)[:k]
     assert torch.allclose(sub.eigenvalues, top, rtol=0, atol=1e4 * EPS * scale)
     assert torch.allclose(expected @ p, p * sub.eigenvalues, rtol=0, atol=1e4 * EPS * scale)
-    ek = subspaces.kfac_eigen(net, lik, x, k, eigenvalues="ekfac")
+    ek = subspaces.kfac_eigen(net, lik, x, k, eigenvalues="ekfac", conv="expand")
     q = ek.dense_basis()
     quotients = torch.einsum("dk,de,ek->k", q, _ggn(net, x), q)
     assert torch.allclose(ek.eigenvalues, quotients, rtol=1e3 * EPS, atol=1e3 * EPS * scale)
