@@ -189,16 +189,13 @@ def test_root_rows_hold_nothing_when_the_points_will_exceed_the_limit():
     assert torch.equal(under.matrix(), torch.ones(18, 5))
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_a_guide_over_a_subnetwork_of_96_weights(dtype, monkeypatch):
-    """Through `AutoSubspaceLaplace` with ``N·C`` = 240 GGN rows > ``K`` = 96 (the formed
-    route): the covariance, the linearised predictive and draws against dense linear algebra on
-    the guide's GGN; the evidence from the factor equals the one from the GGN's eigenvalues."""
+def _guide_over_96_weights(dtype):
+    """A fitted `AutoSubspaceLaplace` (λ = 0.8) over ``K`` = 96 random weights of a 4-24-4 MLP
+    with ``N·C`` = 320 GGN rows > ``K`` (the formed route): ``(net, subspace, guide, x)``."""
     from torch import nn
 
     from pyro_subspace import SubspaceNet, likelihoods, subspaces
-    from pyro_subspace.flat import FlatNet
-    from pyro_subspace.infer import AutoSubspaceLaplace, linearized_moments
+    from pyro_subspace.infer import AutoSubspaceLaplace
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 24), nn.Tanh(), nn.Linear(24, 4)).to(dtype)
@@ -208,6 +205,18 @@ def test_a_guide_over_a_subnetwork_of_96_weights(dtype, monkeypatch):
     sub = subspaces.subnetwork(net, strategy="indices", indices=idx)
     la = AutoSubspaceLaplace(SubspaceNet(net, sub, likelihoods.Categorical()), prior_precision=0.8)
     la.fit(x, y, find_map=False)
+    return net, sub, la, x
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_guide_over_a_subnetwork_of_96_weights(dtype, monkeypatch):
+    """Through `AutoSubspaceLaplace` with ``N·C`` = 320 GGN rows > ``K`` = 96 (the formed
+    route): the covariance, the linearised predictive and draws against dense linear algebra on
+    the guide's GGN; the evidence from the factor equals the one from the GGN's eigenvalues."""
+    from pyro_subspace.flat import FlatNet
+    from pyro_subspace.infer import linearized_moments
+
+    net, sub, la, x = _guide_over_96_weights(dtype)
     post = la.posterior
     assert post.buffer_dtype == dtype and held(post) == {"ggn", "scale_tril"}
     cov = torch.linalg.inv(la.ggn.double() / la.temperature + 0.8 * torch.eye(K, dtype=torch.float64))
@@ -327,21 +336,11 @@ def test_the_grids_jacobians_in_the_buffers_dtype_and_their_heap_given_back(dtyp
     the dtype the sweep computes in (the buffers': no float64 copy of a float32 pass), the
     sweep agrees with dense linear algebra, and once the pass's blocks held at least
     `heap.TRIM_MIN_BYTES` the freed C heap is given back; below it, not."""
-    from torch import nn
-
-    from pyro_subspace import SubspaceNet, heap, likelihoods, subspaces
+    from pyro_subspace import heap
     from pyro_subspace.flat import FlatNet
-    from pyro_subspace.infer import AutoSubspaceLaplace
     from pyro_subspace.infer.laplace import tuning
 
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 24), nn.Tanh(), nn.Linear(24, 4)).to(dtype)
-    x = torch.randn(80, 4, dtype=dtype)
-    y = torch.randint(0, 4, (80,))
-    idx = torch.randperm(sum(p.numel() for p in net.parameters()))[:K]
-    sub = subspaces.subnetwork(net, strategy="indices", indices=idx)
-    la = AutoSubspaceLaplace(SubspaceNet(net, sub, likelihoods.Categorical()), prior_precision=0.8)
-    la.fit(x, y, find_map=False)
+    net, sub, la, x = _guide_over_96_weights(dtype)
     stacked, calls = [], []
     original = full.stacked_jacobians
     monkeypatch.setattr(full, "stacked_jacobians", lambda *a: stacked.append(original(*a)) or stacked[-1])
