@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-import os
 import sys
 import time
 import warnings
