@@ -1112,11 +1112,14 @@ ROWS = [
 ]
 
 
-def marglik_regression(lib, n_epochs=1000):
+def marglik_regression(lib, n_epochs=1000, backend=None):
     """The regression example's ``marglik_training`` call alone, in its float32, with its
     settings (data, seed 711, full, BackPackGGN, lr 1e-2, scalar prior): final ``σ``, ``λ``,
-    last evidence and loss (issue 36 (b))."""
+    last evidence and loss (issue 36 (b)). ``backend``: another laplace-torch backend class
+    than the script's ``BackPackGGN``."""
     from laplace.curvature.backpack import BackPackGGN
+
+    backend = backend or BackPackGGN
 
     torch.manual_seed(711)
     _, _, train_loader, _ = get_sinusoid_example(sigma_noise=0.3)
@@ -1124,7 +1127,7 @@ def marglik_regression(lib, n_epochs=1000):
     model = torch.nn.Sequential(torch.nn.Linear(1, 50), torch.nn.Tanh(), torch.nn.Linear(50, 1))
     la, model, margliks, losses = lib.marglik_training(
         model=model, train_loader=train_loader, likelihood="regression", hessian_structure="full",
-        backend=BackPackGGN, n_epochs=n_epochs, optimizer_kwargs={"lr": 1e-2}, prior_structure="scalar",
+        backend=backend, n_epochs=n_epochs, optimizer_kwargs={"lr": 1e-2}, prior_structure="scalar",
     )  # fmt: skip
     return {
         "sigma": la.sigma_noise.detach(), "prior precision": la.prior_precision.detach(),
@@ -1230,6 +1233,22 @@ def main(argv=None) -> int:
         print(f"{'run':52s} {'lambda':>10s} {'sigma':>10s} {'lambda vs default':>18s} {'lambda vs float64':>18s}")
         for name, lam, sigma in rows:
             print(f"{name:52s} {lam:10.6f} {sigma:10.6f} {abs(lam / base[1] - 1):18.1e} {abs(lam / rows[0][1] - 1):18.1e}")
+        if args.marglik_epochs:  # and marglik_training's final values under another backend
+            from laplace.curvature import CurvlinopsGGN
+
+            print(f"\n# marglik_training, float32, {args.marglik_epochs} epochs: laplace-torch with the "
+                  "script's BackPackGGN and with CurvlinopsGGN (the same GGN summed in another order), ours")  # fmt: skip
+            with default_dtype(F32):
+                runs = {
+                    "laplace-torch, BackPackGGN": marglik_regression(lib_laplace_torch(), args.marglik_epochs),
+                    "laplace-torch, CurvlinopsGGN": marglik_regression(
+                        lib_laplace_torch(), args.marglik_epochs, CurvlinopsGGN),
+                    "pyro_subspace": marglik_regression(lib_ours(), args.marglik_epochs),
+                }  # fmt: skip
+            ref = runs["laplace-torch, BackPackGGN"]
+            for name, res in runs.items():
+                print(f"{name:30s} " + "  ".join(
+                    f"{k} {float(v):.6g} ({rel_diff(v, ref[k]):.1e})" for k, v in res.items()))  # fmt: skip
         return 0
     if args.marglik_epochs:
         start = time.perf_counter()

@@ -32,6 +32,7 @@ independent of what any allocator caches, it includes the process's baseline).
     python benchmarks/scale.py --full --rows 100000 --cnn-rows 32,64   # a smoke run
     python benchmarks/scale.py --ggn-memory                # about 6 min
     python benchmarks/scale.py --resnet18                  # ResNet-18 rows at N = 250, 1000: hours
+    python benchmarks/scale.py --resnet18 --checkpoint DIR --cnn-rows 1000   # resumable, per step
 """
 
 from __future__ import annotations
@@ -326,7 +327,7 @@ def cnn_pipeline(
 
 
 def resnet18_pipeline(n: int, n_test: int, rank: int, draws: int, members: int, epochs: int,
-                      chunk: int = 128) -> list[tuple]:  # fmt: skip
+                      chunk: int = 128, checkpoint: str | None = None) -> list[tuple]:  # fmt: skip
     """The pipeline at ResNet scale (issue 37): ResNet-18 with the CIFAR stem
     (`subnetwork_resnet18.resnet18`, 11.2M weights, BatchNorm) on ``n`` synthetic CIFAR-shaped
     images, every data pass chunked to ``chunk`` rows; rows (step, N, D, K, s, epochs, MB, peak
@@ -339,6 +340,10 @@ def resnet18_pipeline(n: int, n_test: int, rank: int, draws: int, members: int, 
     `subspaces.kfac_eigen` rank ``rank`` (one K-FAC pass) → the same draws and average;
     last-layer K-FAC Laplace over ``members`` networks (the first, and ``members − 1`` trained
     the same way from other seeds, their training not timed) → MoLA's probit predictive.
+
+    ``checkpoint``: a folder; after each step its rows, results and networks are saved to
+    ``resnet18_n{n}.pt`` there, and a rerun takes every finished step from it (at N = 1,000 the
+    whole pipeline is longer than one session on this machine: each step is at most two hours).
     """
     from subnetwork_resnet18 import resnet18
     from kfac_eigen import _bma
@@ -352,31 +357,39 @@ def resnet18_pipeline(n: int, n_test: int, rank: int, draws: int, members: int, 
     x, y = synthetic(n, seed=0)
     x_test, y_test = synthetic(n_test, seed=1)
     d = sum(p.numel() for p in net.parameters())
-    rows = []
+    path = None if checkpoint is None else os.path.join(checkpoint, f"resnet18_n{n}.pt")
+    state = {"rows": [], "results": {}, "net": None, "members": []}
+    if path is not None and os.path.exists(path):
+        state = torch.load(path, weights_only=False)
+        print(f"# resumed from {path}: {list(state['results'])}", flush=True)
+    rows = state["rows"]
 
-    def step(name, k, fn, unit=None):
+    def save():
+        if path is None:
+            return
+        os.makedirs(checkpoint, exist_ok=True)
+        state["net"] = net.state_dict()
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)  # a kill while saving keeps the previous checkpoint
+
+    def step(name, k, fn):
+        if name in state["results"]:
+            print(f"# {name}: from the checkpoint", flush=True)
+            return state["results"][name]
         with PeakMemory() as mem:
             start = time.perf_counter()
             result = fn()
             seconds = time.perf_counter() - start
-        unit = unit or rows[0][4]
         scores = result if isinstance(result, dict) else None
-        rows.append((name, n, d, k, seconds, seconds / unit, mem.mb, mem.hwm_mb, scores))
+        rows.append((name, n, d, k, seconds, seconds / rows[0][4], mem.mb, mem.hwm_mb, scores))
         print(f"# {name}: {seconds:.1f} s, peak RSS {mem.hwm_mb:.0f} MB", flush=True)
+        state["results"][name] = result
+        save()
         return result
 
     def train(model, seed, count):
         fit_map(model, lik, x, y, epochs=count, batch_size=128, lr=0.05, optimizer="sgd",
                 seed=seed, progress=False)  # fmt: skip
-
-    if epochs > 1:
-        train(net, 0, epochs - 1)
-    with PeakMemory() as mem:
-        start = time.perf_counter()
-        train(net, 100, 1)
-        epoch = time.perf_counter() - start
-    rows.append((f"one training epoch (SGD, batch 128; {epochs} in all)", n, d, 0, epoch, 1.0,
-                 mem.mb, mem.hwm_mb, None))  # fmt: skip
 
     def test_scores(model):
         flat = FlatNet(model)
@@ -384,10 +397,23 @@ def resnet18_pipeline(n: int, n_test: int, rank: int, draws: int, members: int, 
             probs = torch.softmax(flat.chunked(flat.vector(), x_test, chunk), -1)
         return metrics.classification_scores(probs.double(), y_test)
 
-    map_scores = test_scores(net)
-    collector = subspaces.SWACollector(net, max_snapshots=rank)
+    if state["net"] is None:
+        if epochs > 1:
+            train(net, 0, epochs - 1)
+        with PeakMemory() as mem:
+            start = time.perf_counter()
+            train(net, 100, 1)
+            epoch = time.perf_counter() - start
+        rows.append((f"one training epoch (SGD, batch 128; {epochs} in all)", n, d, 0, epoch, 1.0,
+                     mem.mb, mem.hwm_mb, None))  # fmt: skip
+        state["results"]["map"] = test_scores(net)
+        save()
+    else:
+        net.load_state_dict(state["net"])  # the network after the last finished step
+    map_scores = state["results"]["map"]
 
     def swa():
+        collector = subspaces.SWACollector(net, max_snapshots=rank)
         fit_map(net, lik, x, y, epochs=0, batch_size=128, lr=0.05, optimizer="sgd", seed=1,
                 progress=False, collector=collector, swa_epochs=rank, swa_lr=0.01)  # fmt: skip
         return subspaces.pca(collector, rank)
@@ -403,7 +429,12 @@ def resnet18_pipeline(n: int, n_test: int, rank: int, draws: int, members: int, 
     for seed in range(1, members):
         torch.manual_seed(seed)
         other = resnet18()
-        train(other, seed, epochs)
+        if len(state["members"]) >= seed:
+            other.load_state_dict(state["members"][seed - 1])
+        else:
+            train(other, seed, epochs)
+            state["members"].append(other.state_dict())
+            save()
         nets.append(other.eval())
 
     def mola():
@@ -414,8 +445,7 @@ def resnet18_pipeline(n: int, n_test: int, rank: int, draws: int, members: int, 
 
     head = net[-1].in_features
     step(f"last-layer K-FAC MoLA ({members} members)", (head + 1) * 10, mola)
-    rows.append(("MAP network (after SWA's start)", n, d, 0, 0.0, 0.0, 0.0, 0.0, map_scores))
-    return rows
+    return rows + [("MAP network (after SWA's start)", n, d, 0, 0.0, 0.0, 0.0, 0.0, map_scores)]
 
 
 def _resnet18_worker(args: tuple, out) -> None:
@@ -565,6 +595,8 @@ def main() -> None:
                         "(benchmarks/ggn_operator_memory.py, its defaults)")  # fmt: skip
     parser.add_argument("--resnet18", action="store_true",
                         help="only the ResNet-18 pipeline rows (hours; --quick: a smoke run)")  # fmt: skip
+    parser.add_argument("--checkpoint", default=None, metavar="DIR",
+                        help="--resnet18: save each finished step in DIR and resume from it")  # fmt: skip
     parser.add_argument(
         "--cnn-rows",
         default=None,
@@ -583,10 +615,10 @@ def main() -> None:
     if args.resnet18:
         table = []
         if args.quick:  # a smoke run: every step on 32 images, rank 2, 2 draws, 2 members
-            table += resnet18_fresh(32, 32, 2, 2, 2, 1, 16)
+            table += resnet18_fresh(32, 32, 2, 2, 2, 1, 16, args.checkpoint)
         else:
             for n in [int(v) for v in (args.cnn_rows or "250,1000").split(",")]:
-                table += resnet18_fresh(n, 1000, 20, 10, 3, 2)
+                table += resnet18_fresh(n, 1000, 20, 10, 3, 2, 128, args.checkpoint)
         print_resnet18(table)
     elif args.scaling_only:
         strong_scaling(args.rows or 1_000_000, args.rounds, shape=(10, 200))
