@@ -106,12 +106,18 @@ def test_the_eigenvalues_for_marglik_take_the_factors_memory_and_it_comes_back(d
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("eigen", [True, False])
+@pytest.mark.parametrize("eigen", [True, False, "blocked"])
 def test_the_grid_by_one_eigenbasis_or_one_factor_per_lambda(dtype, eigen, monkeypatch):
+    if eigen == "blocked":  # the paper's size: factor and solves on torch's BLAS, not SciPy's
+        from pyro_subspace import linalg
+
+        monkeypatch.setattr(linalg, "BLOCKED_ROW_BYTES", 8)
+        eigen = False
     post, prior, c = fitted(dtype)
     if not eigen:  # three (K, K) matrices do not fit: one Cholesky factor per λ
         size = torch.empty((), dtype=dtype).element_size()
         monkeypatch.setattr(full, "MAX_BYTES", int(2.5 * size * K * K))
+        monkeypatch.setattr(full, "GRID_SOLVE_BYTES", 3 * 3 * K * size)  # 3 points a solve: 3, 3, 2
     gen = torch.Generator().manual_seed(5)
     blocks = [torch.randn(4, 3, K, generator=gen, dtype=torch.float64) for _ in range(2)]
     f_cov = post.functional_covariance_on_grid(blocks, lambda lam: PriorPrecision(lam, None, K))

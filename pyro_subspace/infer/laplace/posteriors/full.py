@@ -93,6 +93,11 @@ MAX_BYTES = 16 * 2**30
 #: factorisations for the eigenvalues): below it those cost under a second (a loaded posterior
 #: takes the same route as the saved one: its factor's prior is in the state).
 FACTOR_LOG_DET_MIN_K = 2048
+#: The grid's per-``λ`` solve takes its Jacobian rows in blocks of at most this many bytes:
+#: the solve's copies of its right-hand side (reversed, then solved) are then two such blocks,
+#: not two more copies of all ``N·O`` rows (at ``K = 42,438`` float32 and 500 points: 0.8 GB
+#: each, beside the two ``(K, K)`` matrices). Each block still reads the whole factor once.
+GRID_SOLVE_BYTES = 1 << 28
 
 
 class Deferred:
@@ -766,8 +771,9 @@ class FullPosterior(Posterior):
         (`linalg.eigh_evr_` on a copy in the factor's memory, in the buffers' dtype), so
         ``J Σ(λ) Jᵀ = Σ_k a_k a_kᵀ / (e_k + λ)`` with ``a = J U`` (``O(N·O²·K)`` per ``λ``, no
         factorisation); else, per ``λ``, one Cholesky factor of the precision in the factor's
-        memory and ``J Σ Jᵀ = Y Yᵀ`` with one triangular solve (two matrices:
-        `linalg.solve_reversed_cholesky`). The factor is formed again on its next use.
+        memory and ``J Σ Jᵀ = Y Yᵀ`` with one triangular solve per block of rows of at most
+        `GRID_SOLVE_BYTES` (two matrices: `linalg.solve_reversed_cholesky`). The factor is
+        formed again on its next use.
         ``Λ₀ = λB`` with ``B = L Lᵀ`` (a dense basis): ``L⁻¹ (PᵀGP/T) L⁻ᵀ = U diag(e) Uᵀ``,
         ``a = J L⁻ᵀ U`` in float64. A per-coordinate ``λ`` sweep falls back to the default."""
         unit = prior_at(torch.tensor(1.0, dtype=torch.float64))
@@ -789,11 +795,17 @@ class FullPosterior(Posterior):
                 e = e.double().clamp_min(0.0) / temperature
                 return lambda lam: torch.einsum("nok,k,npk->nop", ju, 1.0 / (e + lam), ju)
 
+            points = max(1, GRID_SOLVE_BYTES // (o * k * jp.element_size()))  # per solve
+
             def f_cov(lam: torch.Tensor) -> torch.Tensor:
                 scratch = self._scratch()  # (the factor may have been formed since: again pending)
                 self._cholesky_reversed_(prior_at(torch.as_tensor(lam, dtype=torch.float64)), scratch)
-                y = solve_reversed_cholesky(scratch, jp.reshape(n * o, k)).view(n, o, k)
-                return torch.bmm(y, y.mT).double()
+                out = torch.empty(n, o, o, dtype=torch.float64, device=jp.device)
+                for i in range(0, n, points):
+                    rows = jp[i : i + points]
+                    y = solve_reversed_cholesky(scratch, rows.reshape(-1, k)).view(rows.shape)
+                    out[i : i + points] = torch.bmm(y, y.mT)
+                return out
 
             return f_cov
         chol = torch.linalg.cholesky(unit.matrix())
