@@ -310,8 +310,13 @@ class FullPosterior(Posterior):
         ``Σ⁻¹`` or ``Σ`` is left to first use, formed from the GGN, the factor and the saved
         prior; a placeholder of the GGN or factor (an unfitted posterior) stays one."""
         self._reset_deferred()
+        # kept as the pending prior: copies, never the state's tensors (one from
+        # ``torch.load(mmap=True)`` keeps the whole file mapped: at the paper's K 14.4 GB of
+        # file pages counted in the RSS long after the state is gone)
         lam = state_dict.pop(prefix + "formed_prior_lam", None)
         gram = state_dict.pop(prefix + "formed_prior_gram", None)
+        lam = None if lam is None else lam.detach().clone()
+        gram = None if gram is None else gram.detach().clone()
         unformed = []
         for name in BUFFERS:
             value = state_dict.get(prefix + name)
