@@ -287,6 +287,9 @@ class BasePosteriorTestCase:
         state = copy.deepcopy(post.state_dict())
         fresh = self.create_posterior(K)
         fresh.load_state_dict(state)
+        for value in state.values():  # nothing of the state is kept by reference
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and 0 not in value.stride():
+                value.fill_(float("nan"))
         for method in ("covariance", "precision", "curvature", "marginal_variance"):
             assert torch.equal(getattr(fresh, method)(), getattr(post, method)()), method
         gen = lambda: torch.Generator().manual_seed(5)  # noqa: E731
