@@ -102,8 +102,8 @@ def run(width: int, n: int, rank: int, epochs: int, draws: int, warmup: int, tol
     fit_map(net, lik, x, y, epochs=epochs, batch_size=64, lr=0.05, optimizer="sgd", seed=0,
             progress=False)  # fmt: skip
     spare = copy.deepcopy(net)  # one more epoch on a copy: the unit of time
-    _, epoch, _ = _timed(lambda: fit_map(spare, lik, x, y, epochs=1, batch_size=64, lr=0.05,
-                                         optimizer="sgd", seed=1, progress=False))  # fmt: skip
+    _, epoch, _ = _timed(lambda spare=spare: fit_map(spare, lik, x, y, epochs=1, batch_size=64, lr=0.05,
+                                                     optimizer="sgd", seed=1, progress=False))  # fmt: skip
     del spare
     with torch.no_grad(), eval_mode(net):
         map_probs = torch.softmax(FlatNet(net).chunked(FlatNet(net).vector(), x_test, chunk), -1)
