@@ -610,7 +610,8 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     load = os.getloadavg()
-    print(f"# benchmarks/scale.py  {datetime.date.today()}  torch threads 1 per process, "
+    threads = os.environ.get("BENCH_THREADS", "2") if args.resnet18 else "1"  # (its worker's)
+    print(f"# benchmarks/scale.py  {datetime.date.today()}  torch threads {threads} per process, "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")  # fmt: skip
     if args.resnet18:
         table = []
