@@ -388,6 +388,19 @@ def test_auto_weight_sharing_is_reduce_for_one_row_a_point_and_expand_for_rows_p
     loader = DataLoader(TensorDataset(x, torch.zeros(shape[0], dtype=torch.long)), batch_size=5)
     assert weight_sharing(net, loader) == "reduce"
 
+    class Keyed(nn.Module):  # dict batches (keyword inputs), one row per point or per token
+        def __init__(self, per_token):
+            super().__init__()
+            self.per_token = per_token
+
+        def forward(self, tokens):
+            out = conv1d(tokens.transpose(1, 2)).transpose(1, 2)  # shape: (B, L, 4)
+            return out.reshape(-1, 4) if self.per_token else out.mean(1)
+
+    batch = {"tokens": tokens}
+    assert weight_sharing(Keyed(True), batch) == "expand"
+    assert weight_sharing(Keyed(False), batch) == "reduce"
+
 
 # ------------------------------------------------------------------ networks that reshape their batch
 
