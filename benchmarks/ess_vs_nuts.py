@@ -359,7 +359,9 @@ def importance_reference(
             opt.step(closure)
         point = t.detach()
         hess = torch.autograd.functional.hessian(energy, point).double().numpy()
-        u, mode = float(energy(point)), point.double().numpy()
+        with torch.no_grad():
+            u = float(energy(point))
+        mode = point.double().numpy()
         if np.linalg.eigvalsh(hess)[0] <= 0:
             continue  # a saddle or a flat stop: no mode
         same = [
