@@ -31,7 +31,7 @@ independent of what any allocator caches, it includes the process's baseline).
     python benchmarks/scale.py --full --rounds 3          # about 15 min on 2 idle cores
     python benchmarks/scale.py --full --rows 100000 --cnn-rows 32,64   # a smoke run
     python benchmarks/scale.py --ggn-memory                # about 6 min
-    python benchmarks/scale.py --resnet18                  # ResNet-18 rows at N = 250, 1000: hours
+    python benchmarks/scale.py --resnet18                  # ResNet-18 rows at N = 250, 1000: ~45 min
     python benchmarks/scale.py --resnet18 --checkpoint DIR --cnn-rows 1000   # resumable, per step
 """
 
@@ -342,8 +342,9 @@ def resnet18_pipeline(n: int, n_test: int, rank: int, draws: int, members: int, 
     the same way from other seeds, their training not timed) → MoLA's probit predictive.
 
     ``checkpoint``: a folder; after each step its rows, results and networks are saved to
-    ``resnet18_n{n}.pt`` there, and a rerun takes every finished step from it (at N = 1,000 the
-    whole pipeline is longer than one session on this machine: each step is at most two hours).
+    ``resnet18_n{n}.pt`` there, and a rerun takes every finished step from it (on 2 idle cores
+    the pipeline takes about 10 minutes at N = 250 and 35 at N = 1,000, the SWA epochs and the
+    draws' BatchNorm refreshes most of it; a checkpoint also lets one step be rerun alone).
     """
     from subnetwork_resnet18 import resnet18
     from kfac_eigen import _bma
@@ -594,7 +595,7 @@ def main() -> None:
                         help="only the GGNOperator memory/time check on both CNNs "
                         "(benchmarks/ggn_operator_memory.py, its defaults)")  # fmt: skip
     parser.add_argument("--resnet18", action="store_true",
-                        help="only the ResNet-18 pipeline rows (hours; --quick: a smoke run)")  # fmt: skip
+                        help="only the ResNet-18 pipeline rows (~45 min; --quick: a smoke run)")  # fmt: skip
     parser.add_argument("--checkpoint", default=None, metavar="DIR",
                         help="--resnet18: save each finished step in DIR and resume from it")  # fmt: skip
     parser.add_argument(
