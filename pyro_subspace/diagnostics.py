@@ -21,7 +21,10 @@ populations (each population's chains interleaved in time into one sequence: its
 are its earlier and later draws) and reports the larger. The kernel runs `check` itself at the
 end of such a run (Pyro gives kernels no after-run hook: it runs in the ``cleanup`` that Pyro's
 driver calls after the last chain's draws) and keeps the result as ``kernel.convergence``;
-every other run is checked by calling `check`.
+every other run is checked by calling `check`. When the populations agree with each other
+and the chains do not, the warning says so: chains that switch slowly between parts of the
+posterior (the two modes of the toy T = 1, K = 20 row of ``benchmarks/ess_vs_nuts.py``) need
+more draws each, not another reference.
 
 `check_draws` does the same for draws held as arrays ``(chains, draws, ...)`` (e.g.
 ``mcmc.get_samples(group_by_chain=True)``, or chains from `infer.run_chains`).
@@ -291,9 +294,23 @@ def _problems(report, chain_rhat, max_rhat, min_ess, per_chain) -> list[str]:
             f"(thresholds: R-hat <= {max_rhat}, bulk and tail ESS >= {per_chain:g} per chain × "
             f"{report.chains} chains)"
         )
+    if report.rhat_populations is not None and _only_chains_disagree(report, chain_rhat, max_rhat):
+        out.append(
+            f"(the independent populations agree with each other, R-hat across them <= "
+            f"{max_rhat}, while single chains do not: chains move slowly between parts of the "
+            "posterior, e.g. between modes, which a sharp T = 1 posterior can have; the chains "
+            "need more draws each until they agree too)"
+        )
     if report.divergences:
         out.append(f"{report.divergences} divergent transitions after warm-up")
     return out
+
+
+def _only_chains_disagree(report: ConvergenceReport, chain_rhat, max_rhat: float) -> bool:
+    """Whether some chains' R-hat exceeds ``max_rhat`` while every R-hat across the
+    populations stays within it."""
+    chains = _extreme(chain_rhat, max)
+    return chains > max_rhat and _extreme(report.rhat_populations, max) <= max_rhat
 
 
 def _message(report: ConvergenceReport, advice: str | None) -> str:

@@ -131,6 +131,34 @@ def test_rhat_across_populations_is_arviz_on_each_population_interleaved_in_time
     assert "t[0]" not in message
 
 
+def test_chains_that_switch_modes_slowly_are_named_as_such_when_populations_agree():
+    """Chains visiting two modes in turn, switching at 2% a step: each population holds both
+    modes in proportion, so R-hat across populations is near 1 while the chains' is not (the
+    toy T = 1, K = 20 posterior of benchmarks/ess_vs_nuts.py); the warning says which."""
+    rng = np.random.default_rng(0)
+    chains, length = 40, 2000
+    state = rng.integers(0, 2, chains)
+    draws = np.empty((chains, length, 2))
+    for j in range(length):
+        state = np.where(rng.random(chains) < 0.02, 1 - state, state)
+        draws[:, j, 0] = np.where(state == 1, 2.0, -2.0) + 0.5 * rng.standard_normal(chains)
+        draws[:, j, 1] = rng.standard_normal(chains)
+    populations = [c // 20 for c in range(chains)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = check_draws({"t": draws}, populations=populations)
+    chain_rhat = az.rhat(az.from_dict(posterior={"t": draws}))["t"].values
+    assert chain_rhat[0] > 1.01 and report.rhat_populations["t"].max() <= 1.01  # the premise
+    message = str(convergence_warnings(caught)[0].message)
+    assert "populations agree with each other" in message and "between modes" in message
+    # populations that disagree are not described so
+    draws[20:, :, 1] += 0.4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_draws({"t": draws}, populations=populations)
+    assert "populations agree" not in str(convergence_warnings(caught)[0].message)
+
+
 @pytest.mark.parametrize(
     "call, error, match",
     [
