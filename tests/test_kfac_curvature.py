@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from pyro_subspace import likelihoods
 from pyro_subspace.curvature import KronFactors, kfac
-from pyro_subspace.curvature.kfac import conv_patches, expand_patch_gram
+from pyro_subspace.curvature.kfac import conv_patches, expand_patch_gram, reduce_patch_means
 from pyro_subspace.flat import FlatNet
 
 F64 = torch.float64
@@ -328,6 +328,40 @@ def test_the_patch_gram_without_unfolding_equals_the_unfolded_gram(
     want = rows.T @ rows
     got = expand_patch_gram(conv, x, augment)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    k=st.tuples(st.integers(1, 4), st.integers(1, 4)),
+    stride=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+    pad=st.tuples(st.integers(0, 2), st.integers(0, 2)),
+    mode=st.sampled_from(["zeros", "reflect", "circular"]),
+    channels_last=st.booleans(),
+)
+def test_the_reduce_patch_means_without_unfolding_equal_the_unfolded_means(
+    k, stride, dilation, pad, mode, channels_last
+):
+    """`reduce_patch_means` (strided sums of the input) equals the mean over the output
+    locations of the unfolded patches (``F.unfold``) for every kernel, stride, dilation,
+    padding, padding mode and memory format."""
+    gen = torch.Generator().manual_seed(sum(k) + 7 * sum(stride) + 3 * sum(pad))
+    x = torch.randn(3, 2, 9, 8, generator=gen, dtype=F64)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    conv = nn.Conv2d(2, 1, k, stride, pad, dilation, padding_mode=mode).double()
+    want = conv_patches(conv, x).mean(2)
+    torch.testing.assert_close(reduce_patch_means(conv, x), want, rtol=1e-12, atol=1e-14)
+
+
+def test_reduce_patch_means_with_string_padding():
+    """``padding="same"`` (uneven: kernel 4) and ``"valid"``, as `conv_patches` pads them."""
+    x = torch.randn(2, 3, 7, 6, generator=torch.Generator().manual_seed(0), dtype=F64)
+    for padding, kernel in (("same", 4), ("same", (3, 2)), ("valid", 3)):
+        conv = nn.Conv2d(3, 2, kernel, padding=padding).double()
+        torch.testing.assert_close(
+            reduce_patch_means(conv, x), conv_patches(conv, x).mean(2), rtol=1e-12, atol=1e-14
+        )
 
 
 # ------------------------------------------------------------------ 3. Monte Carlo

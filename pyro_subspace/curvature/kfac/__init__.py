@@ -95,7 +95,7 @@ The network's weights, frozen parameters and buffers are checked finite before a
 """
 
 from .blocks import KronBlock, KronFactors
-from .convolution import conv_patches, expand_patch_gram
+from .convolution import conv_patches, expand_patch_gram, reduce_patch_means
 from .factors import BIASES, CONVS, FISHERS, kfac
 from .layers import is_conv1d
 
@@ -106,6 +106,7 @@ __all__ = [
     "KronBlock",
     "KronFactors",
     "conv_patches",
+    "reduce_patch_means",
     "expand_patch_gram",
     "is_conv1d",
     "kfac",

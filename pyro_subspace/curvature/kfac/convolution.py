@@ -103,6 +103,29 @@ def expand_patch_gram(m: nn.Conv2d, a: torch.Tensor, augment: bool = False) -> t
     return out.double()
 
 
+def reduce_patch_means(m: nn.Conv2d, a: torch.Tensor) -> torch.Tensor:
+    """The mean over the output locations of the unfolded patches ``(n, in·kh·kw)`` of the
+    Conv2d ``m`` at its input ``a`` ``(n, in, H, W)`` (K-FAC-reduce's rows of ``A``), without
+    unfolding them: equal to ``conv_patches(m, a).mean(2)``.
+
+    The patch entry at kernel position ``(i, j)`` reads the (padded) input at rows
+    ``s_h·r + d_h·i`` and columns ``s_w·q + d_w·j`` over the output locations ``(r, q)``; its sum
+    over them is a strided sum of the input, taken in two steps (rows for each ``i``, then
+    columns for each ``j``): ``kh`` reads of the input instead of the ``kh·kw``-fold copy that
+    `conv_patches` writes."""
+    (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
+    x = _padded(m, a)
+    n, c, hp, wp = x.shape
+    h_out = (hp - dh * (kh - 1) - 1) // sh + 1
+    w_out = (wp - dw * (kw - 1) - 1) // sw + 1
+    out = x.new_empty(n, c, kh, kw)
+    for i in range(kh):
+        rows = x[:, :, dh * i : dh * i + sh * (h_out - 1) + 1 : sh].sum(2)  # (n, c, wp)
+        for j in range(kw):
+            out[:, :, i, j] = rows[:, :, dw * j : dw * j + sw * (w_out - 1) + 1 : sw].sum(-1)
+    return out.reshape(n, c * kh * kw) / (h_out * w_out)
+
+
 def _input_sum(lay: _Layer, a: torch.Tensor, conv: str) -> torch.Tensor:
     """This chunk's contribution to ``N·A`` (``"expand"``: already divided by ``R``)."""
     if lay.conv and conv == "expand":
@@ -114,20 +137,18 @@ def _input_sum(lay: _Layer, a: torch.Tensor, conv: str) -> torch.Tensor:
         for start in range(0, a.shape[0], step):
             total = total + expand_patch_gram(m, a[start : start + step], lay.augment)
         return total / r
-    if lay.conv:
+    if lay.conv and conv == "reduce":
+        rows = reduce_patch_means(lay.module, a)
+        return _gram(_ones_column(rows) if lay.augment else rows)
+    if lay.conv:  # "backpack": every location's patch a row, unscaled
         p = lay.module.in_channels * math.prod(lay.module.kernel_size)
         per_row = _patches(lay, a[:1]).numel()
         step = max(1, UNFOLD_NUMBERS // max(1, per_row))  # sub-blocks bound the patches' memory
         total = 0.0
         for start in range(0, a.shape[0], step):
             u = _patches(lay, a[start : start + step])  # shape: (rows, P, R)
-            r = u.shape[2]
-            if conv == "reduce":
-                rows = u.mean(2)
-            else:
-                rows = u.transpose(1, 2).reshape(-1, p)
-            rows = _ones_column(rows) if lay.augment else rows
-            total = total + (_gram(rows) / r if conv == "expand" else _gram(rows))
+            rows = u.transpose(1, 2).reshape(-1, p)
+            total = total + _gram(_ones_column(rows) if lay.augment else rows)
         return total
     r = math.prod(a.shape[1:-1])
     if conv == "reduce" and a.dim() > 2:
