@@ -305,15 +305,18 @@ def test_circular_and_same_padding_equal_padding_the_input_first():
             torch.testing.assert_close(b.to_dense(), w.to_dense(), rtol=1e-12, atol=1e-15)
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
-@given(
+#: every kernel, stride, dilation, padding and padding mode of a Conv2d (the patch tests)
+CONV_GEOMETRY = dict(
     k=st.tuples(st.integers(1, 4), st.integers(1, 4)),
     stride=st.tuples(st.integers(1, 3), st.integers(1, 3)),
     dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)),
     pad=st.tuples(st.integers(0, 2), st.integers(0, 2)),
     mode=st.sampled_from(["zeros", "reflect", "circular"]),
-    augment=st.booleans(),
 )
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(**CONV_GEOMETRY, augment=st.booleans())
 def test_the_patch_gram_without_unfolding_equals_the_unfolded_gram(
     k, stride, dilation, pad, mode, augment
 ):
@@ -331,14 +334,7 @@ def test_the_patch_gram_without_unfolding_equals_the_unfolded_gram(
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(
-    k=st.tuples(st.integers(1, 4), st.integers(1, 4)),
-    stride=st.tuples(st.integers(1, 3), st.integers(1, 3)),
-    dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)),
-    pad=st.tuples(st.integers(0, 2), st.integers(0, 2)),
-    mode=st.sampled_from(["zeros", "reflect", "circular"]),
-    channels_last=st.booleans(),
-)
+@given(**CONV_GEOMETRY, channels_last=st.booleans())
 def test_the_reduce_patch_means_without_unfolding_equal_the_unfolded_means(
     k, stride, dilation, pad, mode, channels_last
 ):
