@@ -320,6 +320,7 @@ class Reference(NamedTuple):
     ess: float  # 1 / sum of the squared normalised weights
     weights: np.ndarray  # (modes,) the posterior mass near each mode (its proposals' weights)
     log_density: np.ndarray  # (modes,) log p(t, D) at each mode
+    draws: int  # the importance draws
 
 
 def importance_reference(
@@ -379,6 +380,8 @@ def importance_reference(
             modes.append((u, mode, hess))
         elif u < modes[same[0]][0]:
             modes[same[0]] = (u, mode, hess)
+    if not modes:
+        raise RuntimeError("importance_reference: no start reached a mode (every stop a saddle)")
     rng = np.random.default_rng(seed)
     scales = [inflation * np.linalg.inv(h) for _, _, h in modes]
     which = rng.integers(0, len(modes), draws)
@@ -406,7 +409,7 @@ def importance_reference(
     weights = np.array([w[which == i].sum() for i in range(len(modes))])
     return Reference(
         mean, mcse, float(pareto_k), float(1 / (w**2).sum()), weights,
-        np.array([-u for u, _, _ in modes]),
+        np.array([-u for u, _, _ in modes]), draws,
     )  # fmt: skip
 
 
@@ -462,7 +465,8 @@ def gess_tables(args) -> None:
                             rows[kind] = res
                 rate_nuts = nuts.ess_bulk / nuts.seconds
                 ref_mean, ref_mcse = nuts.mean, nuts.mcse
-                if nuts.rhat > 1.01:  # NUTS has not converged: it cannot be the reference
+                nuts_is_reference = nuts.rhat <= 1.01
+                if not nuts_is_reference:  # NUTS has not converged: it cannot be the reference
                     starts = np.concatenate([nuts.last, *(r.last for r in rows.values())])
                     ref = importance_reference(model, x, y, starts)
                     ref_mean, ref_mcse = ref.mean, ref.mcse
@@ -471,14 +475,14 @@ def gess_tables(args) -> None:
                         f"over {len(ref.weights)} mode(s) (log p at each "
                         f"{np.array2string(ref.log_density, precision=2)}, posterior mass near "
                         f"each {np.array2string(ref.weights, precision=3)}): PSIS k-hat "
-                        f"{ref.pareto_k:.2f}, ESS {ref.ess:.0f} of 40000",
+                        f"{ref.pareto_k:.2f}, ESS {ref.ess:.0f} of {ref.draws}",
                         flush=True,
                     )
                 for kind, row in [("NUTS", nuts), *rows.items()]:
                     ratio, shift = f"{'':>8}", ""
                     if kind != "NUTS":
                         ratio = f"{row.ess_bulk / row.seconds / rate_nuts:>8.1f}"
-                    if kind != "NUTS" or ref_mean is not nuts.mean:
+                    if kind != "NUTS" or not nuts_is_reference:
                         se = (row.mcse**2 + ref_mcse**2) ** 0.5
                         shift = f"{float((abs(row.mean - ref_mean) / se).max()):>8.2f}"
                     pops = "" if row.rhat_populations is None else f"{row.rhat_populations:.3f}"
